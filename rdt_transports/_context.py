@@ -1,0 +1,155 @@
+"""Per-process state: the groups this process belongs to. One ProcessContext per process, made on first use."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import uuid
+from typing import Dict, List, Optional
+
+from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
+from .backends import BackendConfig, backend_class
+from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError
+from .group import CollectiveGroup
+
+_INCARNATION_WAIT_POLL = 0.01
+
+
+class ProcessContext:
+    """Holds this process's collective groups by name; thread-safe."""
+
+    def __init__(self) -> None:
+        self._groups: Dict[str, CollectiveGroup] = {}
+        self._lock = threading.RLock()
+
+    def names(self) -> List[str]:
+        with self._lock:
+            return list(self._groups)
+
+    def groups(self) -> List[CollectiveGroup]:
+        with self._lock:
+            return list(self._groups.values())
+
+    def get(self, name: str) -> CollectiveGroup:
+        with self._lock:
+            group = self._groups.get(name)
+        if group is None:
+            known = ", ".join(repr(n) for n in self.names()) or "none"
+            raise GroupNotFoundError(
+                f"no collective group named {name!r} in this process (known: {known})",
+                group=name,
+                hint="call init_collective_group() in this actor, or create_collective_group([...]) from the driver "
+                "with this actor in the list",
+            )
+        return group
+
+    def find(self, name: str) -> Optional[CollectiveGroup]:
+        with self._lock:
+            return self._groups.get(name)
+
+    def init_group(
+        self,
+        world_size: int,
+        rank: int,
+        backend: str,
+        group_name: str,
+        timeout: float,
+        uid: Optional[str] = None,
+        secret: Optional[bytes] = None,
+    ) -> CollectiveGroup:
+        """Join group ``group_name`` as ``rank``; blocks until every rank has joined or the timeout passes."""
+        _check_membership(world_size, rank, group_name)
+        cls = backend_class(backend)
+        with self._lock:
+            if group_name in self._groups:
+                raise GroupExistsError(
+                    f"this process is already in a group named {group_name!r}", group=group_name, rank=rank,
+                    hint="destroy it first or pick another group_name",
+                )
+            self._groups[group_name] = None  # type: ignore[assignment]  # reserve the name
+        record = None
+        try:
+            if uid is None:
+                uid, secret, record = _agree_on_incarnation(world_size, rank, cls.capabilities.name, group_name,
+                                                             timeout)
+            assert secret is not None
+            rdv = Rendezvous(uid, group_name)
+            config = BackendConfig(group_name, uid, rank, world_size, timeout, secret, rdv)
+            impl = cls(config)
+
+            def on_destroy() -> None:
+                with self._lock:
+                    if self._groups.get(group_name) is group:
+                        del self._groups[group_name]
+                if record is not None and rank == 0:
+                    delete_incarnation(group_name, record)
+
+            group = CollectiveGroup(group_name, uid, impl, timeout, on_destroy)
+        except BaseException:
+            with self._lock:
+                self._groups.pop(group_name, None)
+            raise
+        with self._lock:
+            self._groups[group_name] = group
+        return group
+
+    def destroy(self, name: str) -> None:
+        self.get(name).destroy()
+
+
+def _check_membership(world_size: object, rank: object, group_name: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}", group=str(group_name))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(
+            f"rank {rank!r} is out of range for world_size {world_size}", group=str(group_name),
+            hint=f"use a rank in 0..{world_size - 1}",
+        )
+    if not isinstance(group_name, str) or not group_name:
+        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
+
+
+def _agree_on_incarnation(world_size: int, rank: int, backend: str, group_name: str, timeout: float):
+    """Actor-side init: rank 0 mints the incarnation id and secret; the others read them from Ray's GCS."""
+    import time
+
+    from .errors import CollectiveTimeoutError
+
+    if rank == 0:
+        uid = uuid.uuid4().hex
+        secret = secrets.token_bytes(32)
+        Rendezvous(uid, group_name).put("secret", secret)
+        record = f"{uid}|{world_size}|{backend}".encode()
+        publish_incarnation(group_name, record)
+        return uid, secret, record
+    deadline = time.monotonic() + timeout
+    while True:
+        record = read_incarnation(group_name)
+        if record is not None:
+            uid, ws, be = record.decode().split("|")
+            if int(ws) == world_size and be == backend:
+                secret = Rendezvous(uid, group_name).get("secret", max(deadline - time.monotonic(), 0.01))
+                return uid, secret, None
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(
+                f"rank 0 of group {group_name!r} did not initialise within {timeout:.1f}s"
+                + (f" (found a {record.decode()!r} incarnation that does not match world_size={world_size}, "
+                   f"backend={backend!r})" if record else ""),
+                group=group_name, rank=rank, peer=0, op="init_collective_group",
+                hint="call init_collective_group on every rank with the same world_size and backend",
+            )
+        time.sleep(_INCARNATION_WAIT_POLL)
+
+
+_process_context: Optional[ProcessContext] = None
+_process_context_lock = threading.Lock()
+
+
+def get_context() -> ProcessContext:
+    """This process's context (created on first use)."""
+    global _process_context
+    if _process_context is None:
+        with _process_context_lock:
+            if _process_context is None:
+                _process_context = ProcessContext()
+    return _process_context

@@ -1,0 +1,47 @@
+"""Collectives built from point-to-point transfers, usable on any backend.
+
+``run(op, algorithm, p2p, **kwargs)`` executes one collective in place. ``p2p`` is a :class:`P2P` view of the
+group for this one call: ``isend``/``irecv`` take a *step* number (unique within the call, 0 <= step < 16384)
+which the group maps to a unique wire tag, and ``wait`` waits on works under the call's deadline.
+
+Keyword arguments per op (all torch tensors, contiguous, same dtype/device; lists have world_size entries):
+  broadcast(tensor, root)            allreduce(tensor, op)            reduce(tensor, root, op)
+  allgather(outputs, tensor)         gather(outputs|None, tensor, root)   scatter(inputs|None, tensor, root)
+  reducescatter(tensor, inputs, op)  alltoall(outputs, inputs)        barrier()
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Tuple
+
+import torch
+
+from ..backends.base import Work
+
+
+class P2P(abc.ABC):
+    """What an algorithm may use: this rank, the world size, and step-tagged isend/irecv."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
+
+    @abc.abstractmethod
+    def wait(self, *works: Work) -> None: ...
+
+
+from ._impl import ALGORITHMS, choose, run  # noqa: E402
+
+
+def algorithms_for(op: str) -> Tuple[str, ...]:
+    """Algorithm names accepted for ``op`` (besides 'auto' and 'native')."""
+    return ALGORITHMS.get(op, ())
+
+
+__all__ = ["P2P", "run", "choose", "algorithms_for", "ALGORITHMS"]

@@ -1,0 +1,246 @@
+"""The ``ray.util.collective``-shaped functions: groups by name, ops in place, plus per-call timeouts.
+
+Switching from ``ray.util.collective`` is a change of import. Differences: every call takes ``timeout=`` and an
+``algorithm=``, errors are typed (:mod:`rdt_transports.errors`), and gather/scatter/alltoall exist.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+from ._context import get_context
+from ._rendezvous import Rendezvous
+from .errors import GroupError, InvalidArgumentError, RdtError
+from .group import CollectiveGroup
+from .types import ReduceOp, Timeout, to_seconds
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+# ---------------------------------------------------------------------- groups, inside an actor
+def init_collective_group(
+    world_size: int,
+    rank: int,
+    backend: str = "gloo",
+    group_name: str = "default",
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
+) -> CollectiveGroup:
+    """Join ``group_name`` as ``rank`` of ``world_size`` from inside an actor; blocks until all ranks joined."""
+    seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+    return get_context().init_group(world_size, rank, backend, group_name, seconds)
+
+
+def destroy_collective_group(group: "str | GroupHandle" = "default", *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
+    """Leave a group: by name inside a member, or by the handle create_collective_group returned (driver)."""
+    if isinstance(group, GroupHandle):
+        group.destroy(timeout=timeout)
+        return
+    get_context().destroy(group)
+
+
+def is_group_initialized(group_name: str = "default") -> bool:
+    """Whether this process is a member of ``group_name``."""
+    return get_context().find(group_name) is not None
+
+
+def get_rank(group_name: str = "default") -> int:
+    """This process's rank in ``group_name``, or -1 when it is not a member (as in ray.util.collective)."""
+    g = get_context().find(group_name)
+    return -1 if g is None else g.rank
+
+
+def get_collective_group_size(group_name: str = "default") -> int:
+    """World size of ``group_name``, or -1 when this process is not a member."""
+    g = get_context().find(group_name)
+    return -1 if g is None else g.world_size
+
+
+def get_group(group_name: str = "default") -> CollectiveGroup:
+    """The group object (for its lifecycle: state, errored(), abort(), destroy())."""
+    return get_context().get(group_name)
+
+
+# ---------------------------------------------------------------------- groups, from the driver
+@dataclass
+class GroupHandle:
+    """A group declared from the driver: its name, incarnation, backend and actors in rank order."""
+
+    name: str
+    uid: str
+    backend: str
+    actors: List[Any]
+    ranks: List[int]
+    timeout: float
+    destroyed: bool = field(default=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def rank_of(self, actor: Any) -> int:
+        for a, r in zip(self.actors, self.ranks):
+            if a == actor:
+                return r
+        return -1
+
+    def destroy(self, *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
+        """Destroy the group on every live member; dead members are skipped. Idempotent."""
+        import ray
+
+        if self.destroyed:
+            return
+        self.destroyed = True
+        refs = [a.__ray_call__.remote(_destroy_on_actor, self.name, self.uid) for a in self.actors]
+        seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=seconds)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # a dead member has nothing left to destroy
+        try:
+            Rendezvous(self.uid, self.name).clear()
+        except RdtError:
+            pass
+
+
+def _init_on_actor(_self: Any, world_size: int, rank: int, backend: str, name: str, timeout: float, uid: str,
+                   secret: bytes) -> int:
+    get_context().init_group(world_size, rank, backend, name, timeout, uid=uid, secret=secret)
+    return rank
+
+
+def _destroy_on_actor(_self: Any, name: str, uid: str) -> bool:
+    group = get_context().find(name)
+    if group is not None and group.uid == uid:
+        group.destroy()
+        return True
+    return False
+
+
+def create_collective_group(
+    actors: Sequence[Any],
+    world_size: Optional[int] = None,
+    ranks: Optional[Sequence[int]] = None,
+    backend: str = "gloo",
+    group_name: str = "default",
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
+) -> GroupHandle:
+    """Declare a group from the driver: every actor joins it (eagerly, so errors surface here). Returns a handle."""
+    import ray
+
+    from .backends import backend_class
+
+    actors = list(actors)
+    seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+    backend_class(backend)  # unknown backend / missing package: fail before touching any actor
+    if not actors:
+        raise InvalidArgumentError("actors must be a non-empty list of actor handles", group=group_name)
+    ids = []
+    for a in actors:
+        if not isinstance(a, ray.actor.ActorHandle):
+            raise InvalidArgumentError(f"{a!r} is not a Ray actor handle", group=group_name,
+                                       hint="pass handles returned by Cls.remote()")
+        ids.append(a._actor_id)
+    if len(set(ids)) != len(ids):
+        raise InvalidArgumentError("the same actor appears twice in actors", group=group_name,
+                                   hint="each actor can hold one rank of a group")
+    world_size = len(actors) if world_size is None else world_size
+    if world_size != len(actors):
+        raise InvalidArgumentError(f"world_size={world_size} but {len(actors)} actors were given", group=group_name)
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
+    if sorted(ranks) != list(range(world_size)):
+        raise InvalidArgumentError(f"ranks {ranks} must be a permutation of 0..{world_size - 1}", group=group_name)
+    if not isinstance(group_name, str) or not group_name:
+        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
+    uid = uuid.uuid4().hex
+    secret = secrets.token_bytes(32)
+    refs = [
+        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, seconds, uid, secret)
+        for a, r in zip(actors, ranks)
+    ]
+    handle = GroupHandle(group_name, uid, backend, actors, ranks, seconds)
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    errors: List[str] = []
+    for a, r, ref in zip(actors, ranks, refs):
+        if ref in pending:
+            errors.append(f"rank {r}: did not join within {seconds:.0f}s (actor busy or stuck?)")
+            continue
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - collect every member's failure
+            errors.append(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
+    if errors:
+        handle.destroy(timeout=5)
+        raise GroupError(
+            "could not create the group: " + "; ".join(errors), group=group_name, op="create_collective_group",
+            hint="fix the failures above (a group name already used by an actor must be destroyed first)",
+        )
+    return handle
+
+
+# ---------------------------------------------------------------------- operations
+def send(tensor: Any, dst_rank: int, group_name: str = "default", *, timeout: Timeout = None) -> None:
+    """Send ``tensor`` to ``dst_rank``."""
+    get_context().get(group_name).send(tensor, dst_rank, timeout=timeout)
+
+
+def recv(tensor: Any, src_rank: int, group_name: str = "default", *, timeout: Timeout = None) -> None:
+    """Receive into ``tensor`` from ``src_rank``."""
+    get_context().get(group_name).recv(tensor, src_rank, timeout=timeout)
+
+
+def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *, algorithm: str = "auto",
+              timeout: Timeout = None) -> None:
+    """Copy ``src_rank``'s tensor into every rank's tensor."""
+    get_context().get(group_name).broadcast(tensor, src_rank, algorithm=algorithm, timeout=timeout)
+
+
+def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *, algorithm: str = "auto",
+              timeout: Timeout = None) -> None:
+    """Reduce ``tensor`` over all ranks; every rank gets the result in place."""
+    get_context().get(group_name).allreduce(tensor, op, algorithm=algorithm, timeout=timeout)
+
+
+def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+           algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """Reduce ``tensor`` over all ranks into ``dst_rank``'s tensor."""
+    get_context().get(group_name).reduce(tensor, dst_rank, op, algorithm=algorithm, timeout=timeout)
+
+
+def allgather(tensor_list: Sequence[Any], tensor: Any, group_name: str = "default", *, algorithm: str = "auto",
+              timeout: Timeout = None) -> None:
+    """Every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
+    get_context().get(group_name).allgather(tensor_list, tensor, algorithm=algorithm, timeout=timeout)
+
+
+def gather(tensor: Any, gather_list: Optional[Sequence[Any]] = None, dst_rank: int = 0, group_name: str = "default",
+           *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """Every rank's ``tensor`` into ``gather_list`` on ``dst_rank``."""
+    get_context().get(group_name).gather(tensor, gather_list, dst_rank, algorithm=algorithm, timeout=timeout)
+
+
+def scatter(tensor: Any, scatter_list: Optional[Sequence[Any]] = None, src_rank: int = 0,
+            group_name: str = "default", *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """``scatter_list[r]`` of ``src_rank`` into rank r's ``tensor``."""
+    get_context().get(group_name).scatter(tensor, scatter_list, src_rank, algorithm=algorithm, timeout=timeout)
+
+
+def reducescatter(tensor: Any, tensor_list: Sequence[Any], group_name: str = "default", op: ReduceOp = ReduceOp.SUM,
+                  *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """Reduce ``tensor_list[r]`` over all ranks into rank r's ``tensor``."""
+    get_context().get(group_name).reducescatter(tensor, tensor_list, op, algorithm=algorithm, timeout=timeout)
+
+
+def alltoall(output_list: Sequence[Any], input_list: Sequence[Any], group_name: str = "default", *,
+             algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """``input_list[j]`` of rank i lands in ``output_list[i]`` of rank j."""
+    get_context().get(group_name).alltoall(output_list, input_list, algorithm=algorithm, timeout=timeout)
+
+
+def barrier(group_name: str = "default", *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+    """Return once every rank of the group has entered the barrier."""
+    get_context().get(group_name).barrier(algorithm=algorithm, timeout=timeout)

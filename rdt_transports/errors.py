@@ -1,0 +1,146 @@
+"""Typed errors shared by rdt_transports and rdt.
+
+Every error subclasses :class:`RdtError` (a ``RuntimeError``), carries the context it happened in
+(group, rank, peer, op, object) as attributes, and its message says how to fix the problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class RdtError(RuntimeError):
+    """Base of every error raised by rdt and rdt_transports."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: Optional[str] = None,
+        rank: Optional[int] = None,
+        peer: Optional[int] = None,
+        op: Optional[str] = None,
+        object_id: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.peer = peer
+        self.op = op
+        self.object_id = object_id
+        self.hint = hint
+        parts = []
+        ctx = [
+            f"{k}={v!r}"
+            for k, v in (("group", group), ("rank", rank), ("peer", peer), ("op", op), ("object", object_id))
+            if v is not None
+        ]
+        if ctx:
+            parts.append("[" + ", ".join(ctx) + "] ")
+        parts.append(message)
+        if hint:
+            parts.append(f" Fix: {hint}")
+        super().__init__("".join(parts))
+        self.message = message
+
+    def __reduce__(self) -> Any:
+        # Keep attributes when the error crosses a Ray task boundary.
+        return (_rebuild_error, (type(self), self.message, self.__dict__.copy()))
+
+
+def _rebuild_error(cls: type, message: str, state: dict) -> "RdtError":
+    err = cls.__new__(cls)
+    RuntimeError.__init__(err, _format(message, state))
+    err.__dict__.update(state)
+    return err
+
+
+def _format(message: str, state: dict) -> str:
+    ctx = [
+        f"{k}={state.get(a)!r}"
+        for k, a in (("group", "group"), ("rank", "rank"), ("peer", "peer"), ("op", "op"), ("object", "object_id"))
+        if state.get(a) is not None
+    ]
+    text = ("[" + ", ".join(ctx) + "] " if ctx else "") + message
+    if state.get("hint"):
+        text += f" Fix: {state['hint']}"
+    return text
+
+
+class InvalidArgumentError(RdtError, ValueError):
+    """A call was made with arguments that can never work (bad rank, dtype, device, layout ...)."""
+
+
+class UnsupportedError(RdtError, ValueError):
+    """The backend or transport cannot do what was asked (device, op, dtype); checked before any peer is touched."""
+
+
+class BackendUnavailableError(RdtError, ImportError):
+    """The package a backend needs is not installed or cannot run on this machine."""
+
+
+class GroupError(RdtError):
+    """Base for errors about a collective group's identity or lifecycle."""
+
+
+class GroupNotFoundError(GroupError, KeyError):
+    """No group of that name is initialised in this process."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return RuntimeError.__str__(self)
+
+
+class GroupExistsError(GroupError):
+    """A group of that name is already initialised in this process."""
+
+
+class GroupErroredError(GroupError):
+    """The group failed earlier (timeout, dead peer) and must be destroyed and re-formed."""
+
+
+class GroupDestroyedError(GroupError):
+    """The group was destroyed or aborted; calls on it are refused."""
+
+
+class CommunicationError(RdtError):
+    """A transfer or collective failed while talking to a peer."""
+
+
+class CollectiveTimeoutError(CommunicationError, TimeoutError):
+    """A blocking call did not complete within its timeout."""
+
+
+class PeerUnavailableError(CommunicationError):
+    """The peer died, closed its connection or never joined."""
+
+
+class TensorMismatchError(CommunicationError, ValueError):
+    """The two sides of a transfer disagree on size, dtype or shape."""
+
+
+class AuthenticationError(CommunicationError):
+    """A control message failed authentication (wrong or missing group secret)."""
+
+
+class ObjectError(RdtError):
+    """Base for errors of the rdt object layer."""
+
+
+class ObjectFreedError(ObjectError):
+    """The object was freed (its last reference died) before it was fetched."""
+
+
+class ObjectFetchError(ObjectError):
+    """Fetching an object's tensors from its producer failed."""
+
+
+class ProducerDiedError(ObjectFetchError):
+    """The producer of an object died; its tensors are gone."""
+
+
+class TransferTimeoutError(ObjectFetchError, TimeoutError):
+    """Fetching an object did not finish within the transfer timeout."""
+
+
+class NoCollectiveGroupError(ObjectError, ValueError):
+    """A collective transport was asked for but no group contains both producer and consumer."""

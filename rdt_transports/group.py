@@ -1,0 +1,372 @@
+"""A collective group in one process: validation, tags, lifecycle, and dispatch to native ops or p2p algorithms.
+
+Every public call validates its arguments against the backend's capabilities before touching a peer, runs
+under a deadline (group default or per-call ``timeout=``), and turns any failure into a typed error that names
+the group, this rank, the peer (when known) and the operation. A failure after data started moving leaves the
+group ERRORED: it refuses further calls until destroyed and re-formed, so a half-done collective can never
+silently mismatch the next one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import algorithms
+from ._tensors import FLOAT_DTYPES, as_torch, check_same, check_tensor
+from .backends.base import Backend, Work
+from .errors import (
+    CollectiveTimeoutError,
+    CommunicationError,
+    GroupDestroyedError,
+    GroupErroredError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    RdtError,
+    UnsupportedError,
+)
+from .types import GroupState, ReduceOp, Timeout, to_seconds
+
+logger = logging.getLogger("rdt_transports")
+
+# Tag layout (31 bits): kind (2 bits) << 29 | payload. Tags only need to be unique per (src, dst) pair.
+TAG_COLLECTIVE = 0
+TAG_P2P = 1
+TAG_OBJECT = 2
+_STEP_BITS = 14
+_SEQ_MASK = (1 << (29 - _STEP_BITS)) - 1
+_PAYLOAD_MASK = (1 << 29) - 1
+
+
+def make_tag(kind: int, payload: int) -> int:
+    return (kind << 29) | (payload & _PAYLOAD_MASK)
+
+
+class _OpChannel(algorithms.P2P):
+    """The p2p view algorithms use for one collective call: step numbers become unique tags, waits share a deadline."""
+
+    def __init__(self, group: "CollectiveGroup", seq: int, deadline: float, op: str) -> None:
+        self._group = group
+        self._backend = group.backend
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self._base = (seq & _SEQ_MASK) << _STEP_BITS
+        self._deadline = deadline
+        self._op = op
+
+    def _tag(self, step: int) -> int:
+        if not 0 <= step < (1 << _STEP_BITS):
+            raise InvalidArgumentError(f"algorithm step {step} out of range", op=self._op)
+        return make_tag(TAG_COLLECTIVE, self._base | step)
+
+    def isend(self, tensor: torch.Tensor, peer: int, step: int) -> Work:
+        return self._backend.isend(tensor, peer, self._tag(step))
+
+    def irecv(self, tensor: torch.Tensor, peer: int, step: int) -> Work:
+        return self._backend.irecv(tensor, peer, self._tag(step))
+
+    def wait(self, *works: Work) -> None:
+        for w in works:
+            w.wait(max(self._deadline - time.monotonic(), 1e-3))
+
+
+class CollectiveGroup:
+    """One named group as seen by one rank. Created by init_collective_group; use the module functions or methods."""
+
+    def __init__(self, name: str, uid: str, backend: Backend, timeout: float, on_destroy: Callable[[], None]) -> None:
+        self.name = name
+        self.uid = uid
+        self.backend = backend
+        self.rank = backend.rank
+        self.world_size = backend.world_size
+        self.timeout = timeout
+        self._state = GroupState.HEALTHY
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._send_seq: Dict[int, itertools.count] = {}
+        self._recv_seq: Dict[int, itertools.count] = {}
+        self._on_destroy = on_destroy
+        self.stats: Dict[str, float] = {"ops": 0, "bytes": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def backend_name(self) -> str:
+        return self.backend.capabilities.name
+
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    def errored(self) -> Optional[BaseException]:
+        """The error that moved the group out of HEALTHY, or None."""
+        return self._error
+
+    def abort(self, reason: str = "aborted by user") -> None:
+        """Fail pending and future calls at once (does not block); destroy() still has to be called."""
+        with self._lock:
+            if self._state in (GroupState.DESTROYED, GroupState.ABORTED):
+                return
+            self._state = GroupState.ABORTED
+            self._error = GroupDestroyedError(reason, group=self.name, rank=self.rank)
+        self.backend.abort()
+
+    def destroy(self) -> None:
+        """Release the backend's resources; idempotent."""
+        with self._lock:
+            if self._state is GroupState.DESTROYED:
+                return
+            self._state = GroupState.DESTROYED
+        try:
+            self.backend.shutdown()
+        finally:
+            self._on_destroy()
+
+    def _mark_errored(self, err: BaseException) -> None:
+        with self._lock:
+            if self._state is GroupState.HEALTHY:
+                self._state = GroupState.ERRORED
+                self._error = err
+        self.stats["errors"] += 1
+
+    def _check_usable(self, op: str) -> None:
+        state = self._state
+        if state is GroupState.HEALTHY:
+            return
+        if state is GroupState.ERRORED:
+            raise GroupErroredError(
+                f"group is errored after an earlier failure ({self._error})",
+                group=self.name,
+                rank=self.rank,
+                op=op,
+                hint="call destroy_collective_group() on every member and create the group again "
+                "(with a replacement for any dead member)",
+            )
+        raise GroupDestroyedError(
+            f"group was {state.value}", group=self.name, rank=self.rank, op=op,
+            hint="create the group again before using it",
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _tensor(self, x: Any, what: str, op: str) -> torch.Tensor:
+        try:
+            t = as_torch(x, what=what)
+            check_tensor(t, what=what, devices=self.backend.capabilities.devices, backend=self.backend_name)
+        except RdtError as e:
+            e_ctx = type(e)(e.message, group=self.name, rank=self.rank, op=op, hint=e.hint)
+            raise e_ctx from None
+        return t
+
+    def _tensors(self, xs: Sequence[Any], what: str, op: str, ref: torch.Tensor, n: Optional[int] = None) -> List[torch.Tensor]:
+        if not isinstance(xs, (list, tuple)):
+            raise InvalidArgumentError(
+                f"{what} must be a list of tensors, got {type(xs).__name__}", group=self.name, rank=self.rank, op=op
+            )
+        n = self.world_size if n is None else n
+        if len(xs) != n:
+            raise InvalidArgumentError(
+                f"{what} has {len(xs)} tensors but the group has world_size {self.world_size}",
+                group=self.name, rank=self.rank, op=op, hint=f"pass exactly {n} tensors",
+            )
+        ts = [self._tensor(x, f"{what}[{i}]", op) for i, x in enumerate(xs)]
+        try:
+            check_same(ts, ref, what=what)
+        except RdtError as e:
+            raise InvalidArgumentError(e.message, group=self.name, rank=self.rank, op=op, hint=e.hint) from None
+        return ts
+
+    def _check_rank(self, r: Any, what: str, op: str) -> int:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size:
+            raise InvalidArgumentError(
+                f"{what}={r!r} is not a rank of this group (world_size {self.world_size})",
+                group=self.name, rank=self.rank, op=op, hint=f"use a rank in 0..{self.world_size - 1}",
+            )
+        return r
+
+    def _check_op(self, reduce_op: Any, dtype: torch.dtype, op: str) -> ReduceOp:
+        if not isinstance(reduce_op, ReduceOp):
+            raise InvalidArgumentError(
+                f"op must be a rdt_transports.ReduceOp, got {reduce_op!r}", group=self.name, rank=self.rank, op=op
+            )
+        if reduce_op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
+            raise UnsupportedError(
+                f"ReduceOp.AVG needs a floating-point dtype, got {dtype}", group=self.name, rank=self.rank, op=op,
+                hint="use ReduceOp.SUM and divide, or cast to float",
+            )
+        return reduce_op
+
+    def _algorithm(self, op: str, algorithm: str, nbytes: int) -> str:
+        native = self.backend.native()
+        if algorithm == "auto":
+            if native is not None and op in self.backend.capabilities.native_collectives:
+                return "native"
+            return algorithms.choose(op, nbytes, self.world_size, self.backend_name)
+        if algorithm == "native":
+            if native is None or op not in self.backend.capabilities.native_collectives:
+                raise UnsupportedError(
+                    f"backend {self.backend_name!r} has no native {op}", group=self.name, rank=self.rank, op=op,
+                    hint="use algorithm='auto', 'ring', 'bde' or 'tree'",
+                )
+            return "native"
+        if algorithm not in algorithms.algorithms_for(op):
+            raise InvalidArgumentError(
+                f"unknown algorithm {algorithm!r} for {op}", group=self.name, rank=self.rank, op=op,
+                hint="choose one of " + ", ".join(("auto", "native") + tuple(algorithms.algorithms_for(op))),
+            )
+        return algorithm
+
+    def _run(self, op: str, timeout: Timeout, fn: Callable[[float], None], nbytes: int, peer: Optional[int] = None) -> None:
+        """Run ``fn(deadline)`` with lifecycle checks and typed errors."""
+        self._check_usable(op)
+        seconds = to_seconds(timeout, self.timeout)
+        deadline = time.monotonic() + seconds
+        try:
+            fn(deadline)
+        except RdtError as e:
+            if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
+                self._mark_errored(e)
+            if e.group is None:  # add our context to backend errors
+                raise type(e)(
+                    e.message, group=self.name, rank=self.rank, peer=e.peer if e.peer is not None else peer,
+                    op=op, object_id=e.object_id, hint=e.hint,
+                ) from e
+            raise
+        except Exception as e:  # a library error we did not classify
+            err = CommunicationError(
+                f"{type(e).__name__}: {e}", group=self.name, rank=self.rank, peer=peer, op=op,
+                hint="see the cause; the group is now errored: destroy and re-create it",
+            )
+            self._mark_errored(err)
+            raise err from e
+        if self._state is GroupState.ABORTED:
+            raise GroupDestroyedError("group was aborted during the call", group=self.name, rank=self.rank, op=op)
+        self.stats["ops"] += 1
+        self.stats["bytes"] += nbytes
+
+    def _channel(self, op: str, deadline: float) -> _OpChannel:
+        return _OpChannel(self, next(self._seq), deadline, op)
+
+    def _native(self, name: str, deadline: float, **kw: Any) -> None:
+        native = self.backend.native()
+        assert native is not None
+        native.run(name, max(deadline - time.monotonic(), 1e-3), **kw)
+
+    # ------------------------------------------------------------------ point to point
+    def _p2p_tag(self, table: Dict[int, itertools.count], peer: int) -> int:
+        with self._lock:
+            counter = table.setdefault(peer, itertools.count())
+            return make_tag(TAG_P2P, next(counter))
+
+    def send(self, tensor: Any, dst_rank: int, *, timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "send")
+        dst = self._check_rank(dst_rank, "dst_rank", "send")
+        if dst == self.rank:
+            raise InvalidArgumentError("cannot send to self", group=self.name, rank=self.rank, peer=dst, op="send",
+                                       hint="pick another rank as dst_rank")
+        tag = self._p2p_tag(self._send_seq, dst)
+        self._run("send", timeout, lambda d: self.backend.isend(t, dst, tag).wait(max(d - time.monotonic(), 1e-3)),
+                  t.numel() * t.element_size(), peer=dst)
+
+    def recv(self, tensor: Any, src_rank: int, *, timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "recv")
+        src = self._check_rank(src_rank, "src_rank", "recv")
+        if src == self.rank:
+            raise InvalidArgumentError("cannot receive from self", group=self.name, rank=self.rank, peer=src,
+                                       op="recv", hint="pick another rank as src_rank")
+        tag = self._p2p_tag(self._recv_seq, src)
+        self._run("recv", timeout, lambda d: self.backend.irecv(t, src, tag).wait(max(d - time.monotonic(), 1e-3)),
+                  t.numel() * t.element_size(), peer=src)
+
+    # ------------------------------------------------------------------ collectives
+    def _collective(self, name: str, algorithm: str, timeout: Timeout, nbytes: int, **kw: Any) -> None:
+        algo = self._algorithm(name, algorithm, nbytes)
+
+        def body(deadline: float) -> None:
+            if algo == "native":
+                self._native(name, deadline, **kw)
+            else:
+                algorithms.run(name, algo, self._channel(name, deadline), **kw)
+
+        self._run(name, timeout, body, nbytes)
+
+    def broadcast(self, tensor: Any, src_rank: int = 0, *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "broadcast")
+        src = self._check_rank(src_rank, "src_rank", "broadcast")
+        self._collective("broadcast", algorithm, timeout, _nbytes(t), tensor=t, root=src)
+
+    def allreduce(self, tensor: Any, op: ReduceOp = ReduceOp.SUM, *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "allreduce")
+        rop = self._check_op(op, t.dtype, "allreduce")
+        self._collective("allreduce", algorithm, timeout, _nbytes(t), tensor=t, op=rop)
+
+    def reduce(self, tensor: Any, dst_rank: int = 0, op: ReduceOp = ReduceOp.SUM, *, algorithm: str = "auto",
+               timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "reduce")
+        dst = self._check_rank(dst_rank, "dst_rank", "reduce")
+        rop = self._check_op(op, t.dtype, "reduce")
+        self._collective("reduce", algorithm, timeout, _nbytes(t), tensor=t, root=dst, op=rop)
+
+    def allgather(self, tensor_list: Sequence[Any], tensor: Any, *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "allgather")
+        outs = self._tensors(tensor_list, "tensor_list", "allgather", t)
+        self._collective("allgather", algorithm, timeout, _nbytes(t) * self.world_size, outputs=outs, tensor=t)
+
+    def gather(self, tensor: Any, gather_list: Optional[Sequence[Any]] = None, dst_rank: int = 0, *,
+               algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "gather")
+        dst = self._check_rank(dst_rank, "dst_rank", "gather")
+        outs = None
+        if self.rank == dst:
+            if gather_list is None:
+                raise InvalidArgumentError("the destination rank must pass gather_list", group=self.name,
+                                           rank=self.rank, op="gather", hint="pass world_size output tensors")
+            outs = self._tensors(gather_list, "gather_list", "gather", t)
+        self._collective("gather", algorithm, timeout, _nbytes(t), outputs=outs, tensor=t, root=dst)
+
+    def scatter(self, tensor: Any, scatter_list: Optional[Sequence[Any]] = None, src_rank: int = 0, *,
+                algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "scatter")
+        src = self._check_rank(src_rank, "src_rank", "scatter")
+        ins = None
+        if self.rank == src:
+            if scatter_list is None:
+                raise InvalidArgumentError("the source rank must pass scatter_list", group=self.name,
+                                           rank=self.rank, op="scatter", hint="pass world_size input tensors")
+            ins = self._tensors(scatter_list, "scatter_list", "scatter", t)
+        self._collective("scatter", algorithm, timeout, _nbytes(t), inputs=ins, tensor=t, root=src)
+
+    def reducescatter(self, tensor: Any, tensor_list: Sequence[Any], op: ReduceOp = ReduceOp.SUM, *,
+                      algorithm: str = "auto", timeout: Timeout = None) -> None:
+        t = self._tensor(tensor, "tensor", "reducescatter")
+        ins = self._tensors(tensor_list, "tensor_list", "reducescatter", t)
+        rop = self._check_op(op, t.dtype, "reducescatter")
+        self._collective("reducescatter", algorithm, timeout, _nbytes(t) * self.world_size, tensor=t, inputs=ins, op=rop)
+
+    def alltoall(self, output_list: Sequence[Any], input_list: Sequence[Any], *, algorithm: str = "auto",
+                 timeout: Timeout = None) -> None:
+        if not isinstance(input_list, (list, tuple)) or not input_list:
+            raise InvalidArgumentError("input_list must be a non-empty list of tensors", group=self.name,
+                                       rank=self.rank, op="alltoall")
+        ref = self._tensor(input_list[0], "input_list[0]", "alltoall")
+        ins = self._tensors(input_list, "input_list", "alltoall", ref)
+        outs = self._tensors(output_list, "output_list", "alltoall", ref)
+        self._collective("alltoall", algorithm, timeout, _nbytes(ref) * self.world_size, outputs=outs, inputs=ins)
+
+    def barrier(self, *, algorithm: str = "auto", timeout: Timeout = None) -> None:
+        self._collective("barrier", algorithm, timeout, 0)
+
+    def __repr__(self) -> str:
+        return (f"CollectiveGroup(name={self.name!r}, backend={self.backend_name!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, state={self._state.value})")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+__all__ = ["CollectiveGroup", "make_tag", "TAG_OBJECT", "TAG_P2P", "TAG_COLLECTIVE", "PeerUnavailableError"]
