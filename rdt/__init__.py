@@ -1,0 +1,28 @@
+"""rdt: a direct, out-of-band path for tensors between Ray actors.
+
+``@rdt.tensor_method(tensor_transport=...)`` on an actor method keeps the tensors it returns in that actor; the
+ObjectRef's value is only metadata. Passing the ref to another actor moves the tensors out of band (Gloo group,
+NIXL, shared memory, ...); passing it back to the producer gives the very same tensors; ``ray.get`` anywhere
+else falls back to Ray's object store. Tensors are freed when the last reference to the ref dies.
+"""
+
+from ._api import configure, create_collective_group, destroy_collective_group, stats
+from ._decorator import put, tensor_method
+from ._config import TRANSPORTS
+from .errors import (
+    InvalidArgumentError,
+    NoCollectiveGroupError,
+    ObjectError,
+    ObjectFetchError,
+    ObjectFreedError,
+    ProducerDiedError,
+    RdtError,
+    TransferTimeoutError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "tensor_method", "put", "create_collective_group", "destroy_collective_group", "stats", "configure",
+    "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
+    "TransferTimeoutError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
+]

@@ -1,0 +1,68 @@
+"""Driver-side helpers: groups for collective transports, stats, and per-process configuration."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Dict, Optional, Sequence
+
+import rdt_transports
+from rdt_transports import GroupHandle
+
+from .errors import InvalidArgumentError
+
+
+def create_collective_group(actors: Sequence[Any], backend: str = "gloo", name: Optional[str] = None, *,
+                            timeout: float = rdt_transports.DEFAULT_TIMEOUT_S) -> GroupHandle:
+    """Put ``actors`` in a collective group so refs between them move over ``backend``; returns its handle."""
+    return rdt_transports.create_collective_group(
+        list(actors), backend=backend, group_name=name or f"rdt-{uuid.uuid4().hex[:12]}", timeout=timeout
+    )
+
+
+def destroy_collective_group(group: GroupHandle, *, timeout: float = rdt_transports.DEFAULT_TIMEOUT_S) -> None:
+    """Destroy a group made by :func:`create_collective_group` on all its live members."""
+    if not isinstance(group, GroupHandle):
+        raise InvalidArgumentError(f"expected the handle create_collective_group returned, got {group!r}")
+    group.destroy(timeout=timeout)
+
+
+def _local_stats(_actor: Any = None) -> Dict[str, Any]:
+    from . import _shm
+    from ._context import get_context
+    import os
+
+    ctx = get_context()
+    return {
+        "objects": len(ctx.table),
+        "bytes": ctx.table.nbytes(),
+        "freed": ctx.table.freed,
+        "transfers": ctx.stats.snapshot(),
+        "shm_segments": len(_shm.segments_of(os.getpid())),
+        "control_rejected": ctx._server.rejected if ctx._server is not None else 0,
+    }
+
+
+def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
+    """Objects and bytes held, objects freed, transfers in/out per transport: of ``actor``, or of this process."""
+    if actor is None:
+        return _local_stats()
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(_local_stats), timeout=timeout)
+
+
+def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None) -> None:
+    """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide)."""
+    from ._context import get_context
+
+    ctx = get_context()
+    changes: Dict[str, Any] = {}
+    if transfer_timeout is not None:
+        if not transfer_timeout > 0:
+            raise InvalidArgumentError(f"transfer_timeout must be > 0, got {transfer_timeout!r}")
+        changes["transfer_timeout"] = float(transfer_timeout)
+    if inline_threshold is not None:
+        if inline_threshold < 0:
+            raise InvalidArgumentError(f"inline_threshold must be >= 0, got {inline_threshold!r}")
+        changes["inline_threshold"] = int(inline_threshold)
+    ctx.config = ctx.config.updated(**changes)

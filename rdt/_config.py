@@ -1,0 +1,35 @@
+"""rdt's tunables: defaults, environment overrides, and a per-process copy that ``rdt.configure`` changes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+TRANSPORTS = ("gloo", "nccl", "nixl", "shm", "cuda_ipc", "object_store", "auto")
+COLLECTIVE_TRANSPORTS = ("gloo", "nccl")
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class RdtConfig:
+    """Settings read by the process that fetches (timeouts) or produces (inlining) an object."""
+
+    transfer_timeout: float = 60.0  # seconds a consumer waits for an object's tensors (env RDT_TRANSFER_TIMEOUT_S)
+    inline_threshold: int = 64 * 1024  # objects up to this many bytes travel inside the metadata (RDT_INLINE_BYTES)
+    token_pool_size: int = 32  # lifetime tokens made ahead of time off the critical path
+
+    @classmethod
+    def from_env(cls) -> "RdtConfig":
+        return cls(
+            transfer_timeout=_env_float("RDT_TRANSFER_TIMEOUT_S", cls.transfer_timeout),
+            inline_threshold=int(_env_float("RDT_INLINE_BYTES", cls.inline_threshold)),
+        )
+
+    def updated(self, **changes: object) -> "RdtConfig":
+        return replace(self, **changes)  # type: ignore[arg-type]

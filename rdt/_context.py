@@ -1,0 +1,312 @@
+"""Per-process rdt state: the object table, the control server, lifetime tokens, stats, and the two roles.
+
+Producer role (:meth:`RdtContext.produce`): flatten a returned value, keep its tensors in the table, attach a
+lifetime token and return an :class:`ObjectMeta`. Consumer role (:meth:`RdtContext.resolve`, in ``_fetch``):
+turn an ObjectMeta back into the value. One RdtContext per process, created on first use.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import secrets
+import struct
+import threading
+from typing import Any, Dict, List, Optional
+
+import ray
+import torch
+
+from rdt_transports._context import get_context as get_transport_context
+from rdt_transports.group import TAG_OBJECT, make_tag
+
+from . import _control, _shm
+from ._config import RdtConfig
+from ._flatten import flatten, leaf_from_buffer
+from ._meta import GroupRef, ObjectMeta, ProducerInfo
+from ._table import Entry, ObjectTable
+
+logger = logging.getLogger("rdt")
+
+
+class _TokenPool:
+    """Lifetime tokens (tiny producer-owned ObjectRefs) made by a background thread, off the critical path."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._tokens: "collections.deque[Any]" = collections.deque()
+        self._need = threading.Event()
+        self._need.set()
+        threading.Thread(target=self._fill, name="rdt-tokens", daemon=True).start()
+
+    def _fill(self) -> None:
+        while True:
+            self._need.wait()
+            try:
+                while len(self._tokens) < self._size:
+                    self._tokens.append(ray.put(b""))
+            except Exception:  # Ray shutting down
+                return
+            self._need.clear()
+
+    def take(self) -> Any:
+        try:
+            token = self._tokens.popleft()
+        except IndexError:
+            token = ray.put(b"")
+        if len(self._tokens) < self._size // 2:
+            self._need.set()
+        return token
+
+
+class Stats:
+    """Counters per transport: transfers in/out and bytes; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.data: Dict[str, Dict[str, int]] = collections.defaultdict(
+            lambda: {"in": 0, "in_bytes": 0, "out": 0, "out_bytes": 0})
+
+    def add(self, transport: str, direction: str, nbytes: int) -> None:
+        with self._lock:
+            d = self.data[transport]
+            d[direction] += 1
+            d[direction + "_bytes"] += nbytes
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        with self._lock:
+            return {k: dict(v) for k, v in self.data.items()}
+
+
+class RdtContext:
+    """Everything rdt keeps in one process."""
+
+    def __init__(self) -> None:
+        self.config = RdtConfig.from_env()
+        self.instance = secrets.token_bytes(8)
+        self.process_key = secrets.token_bytes(32)
+        self.table = ObjectTable(self._release)
+        self.stats = Stats()
+        self.client = _control.ControlClient()
+        self._lock = threading.Lock()
+        self._server: Optional[_control.ControlServer] = None
+        self._producer: Optional[ProducerInfo] = None
+        self._tokens: Optional[_TokenPool] = None
+        self._tag_counters: Dict[str, int] = {}
+        self._pending_sends: List[Any] = []
+        self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
+        self.fetch_cache: Dict[Any, Any] = {}
+        _shm.reap_dead_owners()
+
+    # ------------------------------------------------------------------ identity
+    def producer_info(self) -> ProducerInfo:
+        """This process as a producer (starts the control server on first use)."""
+        if self._producer is None:
+            with self._lock:
+                if self._producer is None:
+                    self._producer = self._make_producer_info()
+        return self._producer
+
+    def _make_producer_info(self) -> ProducerInfo:
+        ctx = ray.get_runtime_context()
+        try:
+            actor = ctx.current_actor
+            actor_id = ctx.get_actor_id() or ""
+        except Exception:  # not an actor (driver, task)
+            actor, actor_id = None, ""
+        host = ray.util.get_node_ip_address()
+        self._server = _control.ControlServer(host, self._key_for, {
+            _control.REQ_FETCH_GROUP: self._serve_fetch_group,
+            _control.REQ_PREPARE_SHM: self._serve_prepare_shm,
+            _control.REQ_PREPARE_NIXL: self._serve_prepare_nixl,
+            _control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b""),
+        })
+        from . import _nixl_objects
+
+        return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
+                            self.process_key, actor, actor_id, _nixl_objects.available())
+
+    def is_me(self, info: ProducerInfo) -> bool:
+        return info.instance == self.instance
+
+    def tokens(self) -> _TokenPool:
+        if self._tokens is None:
+            with self._lock:
+                if self._tokens is None:
+                    self._tokens = _TokenPool(self.config.token_pool_size)
+        return self._tokens
+
+    def groups(self) -> List[GroupRef]:
+        return [GroupRef(g.uid, g.name, g.backend_name, g.rank) for g in get_transport_context().groups()
+                if g is not None]
+
+    def next_tags(self, group_uid: str, n: int) -> int:
+        with self._lock:
+            base = self._tag_counters.get(group_uid, 0)
+            self._tag_counters[group_uid] = (base + max(n, 1)) % (1 << 28)
+            return base
+
+    # ------------------------------------------------------------------ producer role
+    def produce(self, value: Any, transport: str, *, snapshot: bool = False, timeout: Optional[float] = None) -> Any:
+        """Keep ``value``'s tensors here and return the metadata that stands for it."""
+        flat = flatten(value)
+        if not flat.specs:
+            return value  # nothing to keep out of band
+        if snapshot:
+            flat.buffers = [b.clone() for b in flat.buffers]
+            flat.leaves = [leaf_from_buffer(s, flat.buffers) for s in flat.specs]
+        _check_transport_devices(flat, transport)
+        info = self.producer_info()
+        obj_id = secrets.token_bytes(16)
+        entry = Entry(obj_id, flat, transport)
+        inline = shm = nixl = store_ref = None
+        if flat.nbytes <= self.config.inline_threshold and all(b.device.type == "cpu" for b in flat.buffers):
+            inline = tuple(b.numpy().tobytes() for b in flat.buffers)
+        elif transport == "shm":
+            shm = entry.shm = _shm.write_segment(flat.buffers)
+        elif transport == "nixl":
+            from . import _nixl_objects
+
+            nixl = _nixl_objects.register(self, entry)
+        elif transport == "object_store":
+            store_ref = ray.put([b.cpu() for b in flat.buffers])
+        self.table.add(entry)
+        token = self.tokens().take()
+        core = ray._private.worker.global_worker.core_worker
+        if not core.add_object_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
+            logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", obj_id.hex())
+        return ObjectMeta(obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
+                          tuple(self.groups()), token, inline, shm, nixl, store_ref, timeout)
+
+    def _on_out_of_scope(self, obj_id: bytes) -> None:
+        # Runs on Ray's callback thread: must be quick. Dropping the entry releases the tensors.
+        try:
+            self.table.free(obj_id)
+        except Exception:  # never let an exception reach Ray's thread
+            logger.exception("rdt: freeing %s failed", obj_id.hex())
+
+    def _release(self, entry: Entry) -> None:
+        if entry.shm is not None:
+            _shm.unlink(entry.shm.name)
+        if entry.nixl is not None:
+            from . import _nixl_objects
+
+            _nixl_objects.release(self, entry)
+
+    # ------------------------------------------------------------------ control-plane handlers
+    def _key_for(self, key_id: int, payload: bytes) -> Optional[bytes]:
+        if key_id == _control.KEY_PROCESS:
+            return self.process_key
+        if key_id == _control.KEY_GROUP and len(payload) >= 32:
+            uid = payload[16:32].hex()
+            for g in get_transport_context().groups():
+                if g is not None and g.uid == uid:
+                    return g.backend.config.secret
+        return None
+
+    def _lookup(self, payload: bytes) -> Optional[Entry]:
+        return self.table.get(payload[:16]) if len(payload) >= 16 else None
+
+    def _serve_fetch_group(self, _key_id: int, payload: bytes) -> Any:
+        if len(payload) != 40:
+            return _err(_control.ERR_BAD_REQUEST, "malformed fetch request")
+        entry = self._lookup(payload)
+        if entry is None:
+            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        uid = payload[16:32].hex()
+        rank, tag_base = struct.unpack("!II", payload[32:40])
+        group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
+        if group is None:
+            return _err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
+        if not 0 <= rank < group.world_size or rank == group.rank:
+            return _err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
+        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
+                 for i, buf in enumerate(entry.buffers)]
+        self.stats.add(group.backend_name, "out", entry.nbytes)
+        timeout = self.config.transfer_timeout
+        threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
+                         name="rdt-send-wait", daemon=True).start()
+        return _control.RESP_OK, b""
+
+    def _serve_prepare_shm(self, _key_id: int, payload: bytes) -> Any:
+        entry = self._lookup(payload)
+        if entry is None:
+            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        with entry.lock:
+            if entry.shm is None:
+                entry.shm = _shm.write_segment([b.cpu() for b in entry.buffers])
+        self.stats.add("shm", "out", entry.nbytes)
+        seg = entry.shm
+        body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
+        return _control.RESP_OK, seg.name.encode() + b"\0" + body
+
+    def _serve_prepare_nixl(self, _key_id: int, payload: bytes) -> Any:
+        entry = self._lookup(payload)
+        if entry is None:
+            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        from . import _nixl_objects
+
+        with entry.lock:
+            info = _nixl_objects.register(self, entry)
+        self.stats.add("nixl", "out", entry.nbytes)
+        return _control.RESP_OK, _nixl_objects.encode_info(info)
+
+    # ------------------------------------------------------------------ consumer role
+    def resolve(self, meta: ObjectMeta) -> Any:
+        from ._fetch import resolve
+
+        return resolve(self, meta)
+
+    def shutdown(self) -> None:
+        self.table.clear()
+        if self._server is not None:
+            self._server.close()
+        self.client.close()
+
+
+def _err(code: int, message: str) -> Any:
+    return _control.RESP_ERR, struct.pack("!H", code) + message.encode()
+
+
+def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:
+    """Wait for posted sends off the control thread; buffers stay referenced until then."""
+    for w in works:
+        try:
+            w.wait(timeout)
+        except Exception as e:  # the consumer sees its own error; log ours with context
+            logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+            return
+    del keepalive
+
+
+def _check_transport_devices(flat: Any, transport: str) -> None:
+    from .errors import UnsupportedError
+
+    devices = {b.device.type for b in flat.buffers}
+    cpu_only = {"gloo": "cpu", "shm": "cpu"}
+    gpu_only = {"nccl": "cuda", "cuda_ipc": "cuda"}
+    if transport in cpu_only and devices - {"cpu"}:
+        raise UnsupportedError(
+            f"transport {transport!r} moves CPU tensors only, but the value holds {sorted(devices)} tensors",
+            hint="use tensor_transport='nccl', 'cuda_ipc' or 'nixl' for GPU tensors, or move them with .cpu()",
+        )
+    if transport in gpu_only and devices - {"cuda"}:
+        raise UnsupportedError(
+            f"transport {transport!r} moves CUDA tensors only, but the value holds {sorted(devices)} tensors",
+            hint="use tensor_transport='gloo', 'shm' or 'nixl' for CPU tensors, or move them with .cuda()",
+        )
+
+
+_context: Optional[RdtContext] = None
+_context_lock = threading.Lock()
+
+
+def get_context() -> RdtContext:
+    """This process's RdtContext (created on first use)."""
+    global _context
+    if _context is None:
+        with _context_lock:
+            if _context is None:
+                _context = RdtContext()
+    return _context

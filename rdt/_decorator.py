@@ -1,0 +1,100 @@
+"""``@rdt.tensor_method`` and ``rdt.put``: the producer side of the API."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional, TypeVar
+
+from ._config import TRANSPORTS
+from .errors import InvalidArgumentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _check_transport(transport: Any) -> str:
+    if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
+        raise InvalidArgumentError(
+            f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in TRANSPORTS)
+        )
+    return transport.lower()
+
+
+def _check_timeout(timeout: Optional[float]) -> Optional[float]:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return None if timeout is None else float(timeout)
+
+
+def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int) -> Any:
+    from ._context import get_context
+
+    ctx = get_context()
+    if num_returns > 1 and isinstance(value, (tuple, list)) and len(value) == num_returns:
+        return type(value)(ctx.produce(v, transport, snapshot=snapshot, timeout=timeout) for v in value)
+    return ctx.produce(value, transport, snapshot=snapshot, timeout=timeout)
+
+
+def tensor_method(
+    tensor_transport: str = "auto",
+    *,
+    snapshot: bool = False,
+    timeout: Optional[float] = None,
+    num_returns: Optional[int] = None,
+) -> Callable[[F], F]:
+    """Keep the tensors an actor method returns in the actor; the ObjectRef's value becomes metadata.
+
+    ``tensor_transport``: "gloo" | "nccl" | "nixl" | "shm" | "cuda_ipc" | "object_store" | "auto".
+    ``snapshot=True`` copies the tensors at return, so later in-place changes by the producer are not seen by
+    consumers (without it, consumers see the tensor as it is when they fetch it).
+    ``timeout``: seconds consumers wait for this object's tensors (default: rdt.configure / 60 s).
+    """
+    if callable(tensor_transport):  # used as @rdt.tensor_method without parentheses
+        raise InvalidArgumentError("tensor_method needs arguments", hint='write @rdt.tensor_method(tensor_transport="gloo")')
+    transport = _check_transport(tensor_transport)
+    seconds = _check_timeout(timeout)
+
+    def decorate(fn: F) -> F:
+        if not callable(fn):
+            raise InvalidArgumentError(f"tensor_method decorates methods, got {fn!r}")
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                value = await fn(*args, **kwargs)
+                return _produce(value, transport, snapshot, seconds, getattr(async_wrapper, "__ray_num_returns__", 1))
+
+            wrapper: Any = async_wrapper
+        else:
+            @functools.wraps(fn)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+                value = fn(*args, **kwargs)
+                return _produce(value, transport, snapshot, seconds, getattr(sync_wrapper, "__ray_num_returns__", 1))
+
+            wrapper = sync_wrapper
+        if num_returns is not None:
+            wrapper.__ray_num_returns__ = num_returns
+        wrapper.__rdt_tensor_transport__ = transport
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def put(value: Any, tensor_transport: str = "auto", *, snapshot: bool = False, timeout: Optional[float] = None) -> Any:
+    """Inside an actor: an ObjectRef whose tensors stay in this actor (like ray.put, out of band)."""
+    import ray
+
+    transport = _check_transport(tensor_transport)
+    seconds = _check_timeout(timeout)
+    try:
+        in_actor = ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        in_actor = False
+    if not in_actor:
+        raise InvalidArgumentError(
+            "rdt.put must be called inside an actor (the tensors stay in the calling actor)",
+            hint="call it in an actor method, or use ray.put on the driver",
+        )
+    from ._context import get_context
+
+    return ray.put(get_context().produce(value, transport, snapshot=snapshot, timeout=seconds))

@@ -1,0 +1,287 @@
+"""The consumer role: turn an ObjectMeta back into the producer's value, by the best path available.
+
+Paths: the producer itself (the very same tensors, no copy); bytes inlined in the metadata (small objects);
+shared memory (same node); the group's backend (Gloo/NCCL; the producer posts sends when asked over the control
+channel); NIXL READ; and Ray's object store through the producer actor (the fallback for processes outside a
+group, e.g. the driver). Within one task, the same object passed twice is fetched once.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import ray
+import torch
+
+from rdt_transports._context import get_context as get_transport_context
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
+from rdt_transports.group import TAG_OBJECT, make_tag
+
+from . import _control, _nixl_objects, _shm
+from ._flatten import leaf_from_buffer, unflatten
+from ._meta import GroupRef, ObjectMeta
+from .errors import (
+    NoCollectiveGroupError,
+    ObjectFetchError,
+    ObjectFreedError,
+    ProducerDiedError,
+    TransferTimeoutError,
+)
+
+
+def resolve(ctx: Any, meta: ObjectMeta) -> Any:
+    """Rebuild the value ``meta`` stands for in this process."""
+    if ctx.is_me(meta.producer):
+        entry = ctx.table.get(meta.obj_id)
+        if entry is None:
+            raise ObjectFreedError(f"{meta.describe()} was already freed in its producer", object_id=meta.id_hex)
+        return unflatten(meta.skeleton, entry.flat.leaves)
+    task_id = _task_id()
+    key = (task_id, meta.obj_id)
+    if task_id is not None:
+        cached = ctx.fetch_cache.get(key)
+        if cached is not None:
+            leaves = [r() for r in cached]
+            if all(x is not None for x in leaves):
+                return unflatten(meta.skeleton, leaves)
+    start = time.monotonic()
+    buffers, path = fetch_buffers(ctx, meta)
+    ctx.stats.add(path, "in", meta.nbytes)
+    ctx.last_fetch = (path, time.monotonic() - start)
+    leaves = [leaf_from_buffer(s, buffers) for s in meta.specs]
+    if task_id is not None and len(meta.specs):
+        _remember(ctx, key, leaves)
+    return unflatten(meta.skeleton, leaves)
+
+
+def _task_id() -> Optional[str]:
+    try:
+        return ray.get_runtime_context().get_task_id()
+    except Exception:
+        return None
+
+
+def _remember(ctx: Any, key: Tuple[Any, bytes], leaves: List[Any]) -> None:
+    """Weakly remember what a task received so the same ref in the same task maps to the same tensors."""
+    def drop(_ref: Any, key: Tuple[Any, bytes] = key) -> None:
+        ctx.fetch_cache.pop(key, None)
+
+    try:
+        ctx.fetch_cache[key] = [weakref.ref(x, drop) for x in leaves]
+    except TypeError:  # a leaf kind without weakref support: just don't cache
+        pass
+
+
+def _in_actor() -> bool:
+    try:
+        return ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
+def _node_id() -> str:
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return ""
+
+
+def _common_group(meta: ObjectMeta, backends: Tuple[str, ...]) -> Optional[Tuple[Any, GroupRef]]:
+    mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
+    for ref in meta.groups:
+        g = mine.get(ref.uid)
+        if g is not None and ref.backend in backends and g.state.value == "healthy":
+            return g, ref
+    return None
+
+
+def choose_path(meta: ObjectMeta) -> str:
+    """For transport 'auto': same node -> shm, group peer -> its backend, NIXL, else the object store."""
+    cpu = all(b.device == "cpu" for b in meta.buffers)
+    if cpu and meta.producer.node_id == _node_id():
+        return "shm"
+    common = _common_group(meta, ("gloo", "nccl"))
+    if common is not None:
+        return common[1].backend
+    if meta.producer.nixl and _nixl_objects.available():
+        return "nixl"
+    return "object_store"
+
+
+def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
+    """The object's buffers as fresh uint8 tensors in this process, and the path used."""
+    if meta.inline is not None:
+        return [torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+                for b in meta.inline], "inline"
+    timeout = meta.timeout or ctx.config.transfer_timeout
+    path = meta.transport if meta.transport != "auto" else choose_path(meta)
+    if path == "shm" and meta.producer.node_id != _node_id():
+        path = "object_store"  # shared memory cannot cross nodes
+    try:
+        if path == "shm":
+            return _fetch_shm(ctx, meta, timeout), "shm"
+        if path in ("gloo", "nccl"):
+            common = _common_group(meta, (path,))
+            if common is None:
+                if _in_actor():
+                    raise NoCollectiveGroupError(
+                        f"{meta.describe()} uses transport {path!r} but this actor shares no healthy {path} group "
+                        f"with its producer (actor {meta.producer.actor_id[:12]})",
+                        object_id=meta.id_hex,
+                        hint=f"call rdt.create_collective_group([producer, consumer, ...], backend={path!r}) from "
+                        "the driver before passing the ref, or use tensor_transport='auto'",
+                    )
+                return _fetch_object_store(ctx, meta, timeout), "object_store"
+            return _fetch_group(ctx, meta, common[0], common[1], timeout), path
+        if path == "nixl":
+            return _fetch_nixl(ctx, meta, timeout), "nixl"
+        if path == "object_store" and meta.store_ref is not None:
+            return _get(meta, [meta.store_ref], timeout)[0], "object_store"
+        return _fetch_object_store(ctx, meta, timeout), "object_store"
+    except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError):
+        raise
+    except TimeoutError as e:
+        raise TransferTimeoutError(
+            f"fetching {meta.describe()} over {path} did not finish within {timeout:.1f}s: {e}",
+            object_id=meta.id_hex,
+            hint="the producer may be dead or stuck; raise rdt.configure(transfer_timeout=...) for huge objects",
+        ) from e
+
+
+def _producer_alive(ctx: Any, meta: ObjectMeta) -> bool:
+    try:
+        ctx.client.request(meta.producer.control_address, _control.REQ_PING, _control.KEY_PROCESS,
+                           meta.producer.process_key, b"", 2.0)
+        return True
+    except Exception:
+        return False
+
+
+def _died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:
+    return ProducerDiedError(
+        f"the producer of {meta.describe()} (actor {meta.producer.actor_id[:12] or 'driver'}, pid "
+        f"{meta.producer.pid}) is unreachable: {cause}",
+        object_id=meta.id_hex,
+        hint="the producer died; its objects are lost. Re-run the producing method on a live actor",
+    )
+
+
+def _control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: bytes, payload: bytes,
+                     timeout: float) -> bytes:
+    try:
+        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout)
+    except (ConnectionError, OSError) as e:
+        if isinstance(e, TimeoutError):
+            raise
+        raise _died(meta, e) from e
+    if resp_type == _control.RESP_OK:
+        return resp
+    code = struct.unpack_from("!H", resp)[0] if len(resp) >= 2 else 0
+    text = resp[2:].decode(errors="replace")
+    if code == _control.ERR_NOT_FOUND:
+        raise ObjectFreedError(f"{meta.describe()} is gone from its producer: {text}", object_id=meta.id_hex,
+                               hint="keep a reference to the ObjectRef until every consumer has run")
+    raise ObjectFetchError(f"the producer refused to serve {meta.describe()}: {text}", object_id=meta.id_hex)
+
+
+def _fetch_shm(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
+    seg = meta.shm
+    if seg is None:
+        resp = _control_request(ctx, meta, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,
+                                meta.producer.process_key, meta.obj_id, timeout)
+        name, _, body = resp.partition(b"\0")
+        (n,) = struct.unpack_from("!I", body)
+        layout = [struct.unpack_from("!QQ", body, 4 + 16 * i) for i in range(n)]
+        return _shm.map_segment(name.decode(), layout)
+    try:
+        return _shm.map_segment(seg.name, seg.layout)
+    except FileNotFoundError as e:
+        if _producer_alive(ctx, meta):
+            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched", object_id=meta.id_hex) from e
+        raise _died(meta, e) from e
+
+
+def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, timeout: float) -> List[torch.Tensor]:
+    n = len(meta.buffers)
+    tag_base = ctx.next_tags(group.uid, n)
+    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
+    deadline = time.monotonic() + timeout
+    _control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
+                     payload, timeout)
+    bufs = [torch.empty(b.nbytes, dtype=torch.uint8) for b in meta.buffers]
+    try:
+        works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
+        for w in works:
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+    except CollectiveTimeoutError as e:
+        group._mark_errored(e)
+        raise TimeoutError(str(e)) from e
+    except CommunicationError as e:
+        group._mark_errored(e)
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
+        raise ObjectFetchError(f"receiving {meta.describe()} over group {group.name!r} failed: {e}",
+                               object_id=meta.id_hex) from e
+    return bufs
+
+
+def _fetch_nixl(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
+    if not _nixl_objects.available():
+        raise ObjectFetchError(f"{meta.describe()} needs NIXL, which is not installed in this process",
+                               object_id=meta.id_hex, hint="pip install 'rdt[nixl]'")
+    info = meta.nixl
+    if info is None:
+        resp = _control_request(ctx, meta, _control.REQ_PREPARE_NIXL, _control.KEY_PROCESS,
+                                meta.producer.process_key, meta.obj_id, timeout)
+        info = _nixl_objects.decode_info(resp)
+    try:
+        return _nixl_objects.fetch(ctx, info, torch.device("cpu"), timeout)
+    except TimeoutError:
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, TimeoutError("NIXL READ timed out")) from None
+        raise
+    except RuntimeError as e:
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
+        raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
+
+
+def _serve_buffers(_actor: Any, obj_id: bytes) -> List[torch.Tensor]:
+    """Runs in the producer (via __ray_call__): the object's buffers, for the object-store path."""
+    from ._context import get_context
+
+    ctx = get_context()
+    entry = ctx.table.get(obj_id)
+    if entry is None:
+        raise ObjectFreedError("the object was freed in its producer", object_id=obj_id.hex())
+    ctx.stats.add("object_store", "out", entry.nbytes)
+    return [b.cpu() for b in entry.buffers]
+
+
+def _get(meta: ObjectMeta, refs: List[Any], timeout: float) -> List[Any]:
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(str(e)) from e
+    except ray.exceptions.RayActorError as e:
+        raise _died(meta, e) from e
+
+
+def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
+    actor = meta.producer.actor
+    if actor is None:
+        raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served through Ray",
+                               object_id=meta.id_hex, hint="produce objects inside actors")
+    try:
+        bufs = _get(meta, [actor.__ray_call__.remote(_serve_buffers, meta.obj_id)], timeout)[0]
+    except ray.exceptions.RayTaskError as e:
+        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+        if isinstance(cause, ObjectFreedError) or "ObjectFreedError" in str(e):
+            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched",
+                                   object_id=meta.id_hex) from e
+        raise ObjectFetchError(f"fetching {meta.describe()} through the object store failed: {e}",
+                               object_id=meta.id_hex) from e
+    return [b if b.is_contiguous() else b.contiguous() for b in bufs]

@@ -1,0 +1,79 @@
+"""What an rdt ObjectRef's value really is: metadata. Unpickling it in a consumer fetches the tensors.
+
+``ObjectMeta.__reduce__`` makes Ray's deserializer call :func:`_rebuild` in whichever process receives the value
+(a consumer actor's argument, the driver's ``ray.get``). That is how consumers need no decorator and no class
+option: the fetch happens while Ray deserializes the task's arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from ._flatten import BufferSpec, TensorSpec
+
+
+@dataclass(frozen=True)
+class ProducerInfo:
+    """How to reach the process that holds the object."""
+
+    instance: bytes  # random per process context: "is this me?"
+    pid: int
+    node_id: str
+    control_address: str  # host:port of the producer's control server
+    process_key: bytes  # authenticates control requests about this producer's objects
+    actor: Any  # the producer's ActorHandle (object-store fallback), or None
+    actor_id: str
+    nixl: bool  # NIXL usable in the producer
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A collective group the producer belongs to."""
+
+    uid: str
+    name: str
+    backend: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """The ref's value: where the tensors are and how to rebuild the user's value around them."""
+
+    obj_id: bytes
+    transport: str
+    producer: ProducerInfo
+    skeleton: bytes
+    specs: Tuple[TensorSpec, ...]
+    buffers: Tuple[BufferSpec, ...]
+    groups: Tuple[GroupRef, ...]
+    token: Any  # ObjectRef owned by the producer; keeps the object alive while any holder exists
+    inline: Optional[Tuple[bytes, ...]] = None  # small objects: the bytes themselves
+    shm: Optional[Any] = None  # _shm.Segment, written at return time for transport "shm"
+    nixl: Optional[Any] = None  # NIXL descriptors, registered at return time for transport "nixl"
+    store_ref: Optional[Any] = None  # ObjectRef of the buffers, for transport "object_store"
+    timeout: Optional[float] = None  # producer-chosen transfer timeout
+
+    @property
+    def id_hex(self) -> str:
+        return self.obj_id.hex()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.__dict__.copy(),))
+
+    def describe(self) -> str:
+        return f"rdt object {self.id_hex[:16]} ({len(self.specs)} tensors, {self.nbytes} bytes, {self.transport})"
+
+
+def _rebuild(state: dict) -> Any:
+    """Runs in the receiving process during deserialization: fetch the tensors and rebuild the value."""
+    meta = ObjectMeta.__new__(ObjectMeta)
+    object.__setattr__(meta, "__dict__", state)
+    from ._context import get_context
+
+    return get_context().resolve(meta)

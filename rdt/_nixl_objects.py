@@ -1,0 +1,186 @@
+"""NIXL for the object layer: one-sided READ of a producer's registered buffers, no group needed.
+
+The producer registers an object's buffers with its process's NIXL agent when the object is made (transport
+"nixl") or when a consumer first asks (transport "auto"); the descriptors and the agent's metadata travel in
+the object's metadata (through Ray) or, for "auto", in a binary control reply. The consumer READs them into
+fresh tensors with its own agent. NIXL's pickle-based descriptor serialization is never used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from ._context import RdtContext
+    from ._table import Entry
+
+_available: Optional[bool] = None
+
+
+def _module() -> Any:
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("no NIXL package: pip install 'rdt[nixl]' (nixl-cu13)")
+
+
+def available() -> bool:
+    """Whether NIXL imports in this process (cached)."""
+    global _available
+    if _available is None:
+        try:
+            _module()
+            _available = True
+        except Exception:
+            _available = False
+    return _available
+
+
+@dataclass(frozen=True)
+class NixlInfo:
+    """What a consumer needs to READ an object: agent name, agent metadata, descriptors."""
+
+    agent: str
+    agent_md: bytes
+    mem_type: str  # "DRAM" or "VRAM"
+    descs: Tuple[Tuple[int, int, int], ...]  # (address, length, device id) per buffer
+
+
+class NixlAgent:
+    """This process's NIXL agent, and which remote agents it has loaded."""
+
+    def __init__(self, name: str) -> None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        api = _module()
+        self.name = name
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.lock = threading.Lock()
+        self._remotes: set = set()
+        self._md: Optional[bytes] = None
+
+    def metadata(self) -> bytes:
+        if self._md is None:
+            self._md = self.agent.get_agent_metadata()
+        return self._md
+
+    def ensure_remote(self, name: str, md: bytes) -> None:
+        with self.lock:
+            if name not in self._remotes:
+                self.agent.add_remote_agent(md)
+                self._remotes.add(name)
+
+
+def agent(ctx: "RdtContext") -> NixlAgent:
+    """The context's agent, created on first use (creation takes ~0.4 s)."""
+    if ctx.nixl is None:
+        with ctx._lock:
+            if ctx.nixl is None:
+                ctx.nixl = NixlAgent(f"rdt-{ctx.instance.hex()}")
+    return ctx.nixl
+
+
+def _mem_type(buffers: List[torch.Tensor]) -> str:
+    return "VRAM" if buffers and buffers[0].device.type == "cuda" else "DRAM"
+
+
+def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
+    """Register an object's buffers (once) and describe them for consumers."""
+    if entry.nixl is not None:
+        return entry.nixl[1]
+    ag = agent(ctx)
+    bufs = entry.buffers
+    reg = ag.agent.register_memory(bufs)
+    descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
+    info = NixlInfo(ag.name, ag.metadata(), _mem_type(bufs), descs)
+    entry.nixl = (reg, info)
+    return info
+
+
+def release(ctx: "RdtContext", entry: "Entry") -> None:
+    """Deregister an object's buffers when it is freed."""
+    if entry.nixl is None or ctx.nixl is None:
+        return
+    reg, _ = entry.nixl
+    entry.nixl = None
+    try:
+        ctx.nixl.agent.deregister_memory(reg)
+    except Exception:  # deregistration failure must not break freeing
+        pass
+
+
+def encode_info(info: NixlInfo) -> bytes:
+    """Binary form for control replies (no pickle)."""
+    name = info.agent.encode()
+    out = [struct.pack("!H", len(name)), name, struct.pack("!I", len(info.agent_md)), info.agent_md,
+           info.mem_type.encode()[:4].ljust(4, b" "), struct.pack("!I", len(info.descs))]
+    out += [struct.pack("!QQI", a, n, d) for a, n, d in info.descs]
+    return b"".join(out)
+
+
+def decode_info(data: bytes) -> NixlInfo:
+    """Parse :func:`encode_info`; raises ValueError on malformed input."""
+    try:
+        off = 0
+        (n,) = struct.unpack_from("!H", data, off)
+        off += 2
+        name = data[off:off + n].decode()
+        off += n
+        (m,) = struct.unpack_from("!I", data, off)
+        off += 4
+        md = data[off:off + m]
+        off += m
+        mem = data[off:off + 4].decode().strip()
+        off += 4
+        (k,) = struct.unpack_from("!I", data, off)
+        off += 4
+        descs = []
+        for _ in range(k):
+            descs.append(struct.unpack_from("!QQI", data, off))
+            off += 20
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed NIXL info: {e}") from e
+    if mem not in ("DRAM", "VRAM") or len(md) != m:
+        raise ValueError("malformed NIXL info")
+    return NixlInfo(name, md, mem, tuple(descs))
+
+
+def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float) -> List[torch.Tensor]:
+    """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError."""
+    ag = agent(ctx)
+    ag.ensure_remote(info.agent, info.agent_md)
+    dst = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in info.descs]
+    reg = ag.agent.register_memory(dst)
+    try:
+        local = ag.agent.get_xfer_descs(dst)
+        remote = ag.agent.get_xfer_descs(list(info.descs), info.mem_type)
+        handle = ag.agent.initialize_xfer("READ", local, remote, info.agent)
+        try:
+            state = ag.agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            delay = 1e-5
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+                state = ag.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL READ from {info.agent} failed (state {state}); the producer may have died")
+        finally:
+            try:
+                handle.release()
+            except Exception:
+                pass
+    finally:
+        ag.agent.deregister_memory(reg)
+    return dst

@@ -1,0 +1,82 @@
+"""The per-process object table: objects this process produced, by id, until their last reference dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ._flatten import Flattened
+
+
+@dataclass
+class Entry:
+    """One produced object: its flattened value and whatever transports attached to it."""
+
+    obj_id: bytes
+    flat: Flattened
+    transport: str
+    created: float = field(default_factory=time.monotonic)
+    shm: Optional[Any] = None  # _shm.Segment once written
+    nixl: Optional[Any] = None  # transport-specific registration handle
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    @property
+    def buffers(self) -> List[torch.Tensor]:
+        return self.flat.buffers
+
+
+class ObjectTable:
+    """Thread-safe map obj_id -> Entry. Frees run a release hook (unlink shm, deregister NIXL) off the caller's thread."""
+
+    def __init__(self, release: Callable[[Entry], None]) -> None:
+        self._entries: Dict[bytes, Entry] = {}
+        self._lock = threading.Lock()
+        self._release = release
+        self.freed = 0
+
+    def add(self, entry: Entry) -> None:
+        with self._lock:
+            self._entries[entry.obj_id] = entry
+
+    def get(self, obj_id: bytes) -> Optional[Entry]:
+        with self._lock:
+            return self._entries.get(obj_id)
+
+    def pop(self, obj_id: bytes) -> Optional[Entry]:
+        with self._lock:
+            entry = self._entries.pop(obj_id, None)
+            if entry is not None:
+                self.freed += 1
+        return entry
+
+    def free(self, obj_id: bytes) -> None:
+        entry = self.pop(obj_id)
+        if entry is not None:
+            self._release(entry)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def entries(self) -> List[Entry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for e in entries:
+            self._release(e)

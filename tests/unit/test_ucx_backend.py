@@ -1,0 +1,263 @@
+"""UcxBackend with real ucxx: two backends (rank 0 and 1) in one process, rendezvous through a local Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from typing import Iterator, List, Tuple
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("ucxx")
+ray = pytest.importorskip("ray")
+
+from rdt_transports._rendezvous import Rendezvous  # noqa: E402
+from rdt_transports.backends import ucx as ucx_mod  # noqa: E402
+from rdt_transports.backends.base import BackendConfig  # noqa: E402
+from rdt_transports.backends.ucx import UcxBackend  # noqa: E402
+from rdt_transports.errors import (  # noqa: E402
+    CollectiveTimeoutError,
+    GroupDestroyedError,
+    TensorMismatchError,
+)
+
+SECRET = b"unit-test-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    """One local Ray per module (the rendezvous lives in its GCS)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _make_pair(timeout: float = 10.0) -> Tuple[UcxBackend, UcxBackend]:
+    """Rank 0 and rank 1 of a fresh group incarnation."""
+    uid = uuid.uuid4().hex
+    rdv = Rendezvous(uid, "ucx-test")
+    cfg = [BackendConfig("ucx-test", uid, r, 2, timeout, SECRET, rdv) for r in range(2)]
+    return UcxBackend(cfg[0]), UcxBackend(cfg[1])
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Tuple[UcxBackend, UcxBackend]]:
+    b0, b1 = _make_pair()
+    yield b0, b1
+    b0.shutdown()
+    b1.shutdown()
+
+
+_tags = iter(range(1000, 1 << 30))
+
+
+def _tag() -> int:
+    return next(_tags)
+
+
+def _exchange(src_b: UcxBackend, dst_b: UcxBackend, src: torch.Tensor, dst: torch.Tensor, tag: int,
+              recv_first: bool = True) -> None:
+    if recv_first:
+        r = dst_b.irecv(dst, src_b.rank, tag)
+        s = src_b.isend(src, dst_b.rank, tag)
+    else:
+        s = src_b.isend(src, dst_b.rank, tag)
+        time.sleep(0.05)
+        r = dst_b.irecv(dst, src_b.rank, tag)
+    s.wait(10)
+    r.wait(10)
+
+
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.float32, (7,)), (torch.float64, (3, 4)), (torch.bfloat16, (5, 2, 3)), (torch.int64, (1,)),
+     (torch.uint8, (4096,)), (torch.int32, ()), (torch.float16, (0,)), (torch.float32, (1 << 16,))],
+)
+def test_send_recv_dtypes_shapes(pair, dtype: torch.dtype, shape) -> None:
+    b0, b1 = pair
+    src = (torch.randn(shape) * 100).to(dtype)
+    dst = torch.zeros(shape, dtype=dtype)
+    _exchange(b0, b1, src, dst, _tag())
+    assert torch.equal(src, dst)
+    back = torch.zeros(shape, dtype=dtype)
+    _exchange(b1, b0, dst, back, _tag(), recv_first=False)
+    assert torch.equal(src, back)
+
+
+def test_out_of_order_posting(pair) -> None:
+    b0, b1 = pair
+    tags = [_tag() for _ in range(6)]
+    srcs = [torch.full((100 + i,), float(i)) for i in range(6)]
+    dsts = [torch.zeros(100 + i) for i in range(6)]
+    sends = [b0.isend(s, 1, t) for s, t in zip(srcs, tags)]
+    recvs = [b1.irecv(d, 0, t) for d, t in reversed(list(zip(dsts, tags)))]
+    for w in sends + recvs:
+        w.wait(10)
+    for s, d in zip(srcs, dsts):
+        assert torch.equal(s, d)
+
+
+def test_simultaneous_both_ways_from_threads(pair) -> None:
+    b0, b1 = pair
+    n = 1 << 20
+    a, b = torch.randn(n), torch.randn(n)
+    got_a, got_b = torch.zeros(n), torch.zeros(n)
+    t_ab, t_ba = _tag(), _tag()
+    errors: List[BaseException] = []
+
+    def rank0() -> None:
+        try:
+            works = [b0.isend(a, 1, t_ab), b0.irecv(got_b, 1, t_ba)]
+            for w in works:
+                w.wait(10)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def rank1() -> None:
+        try:
+            works = [b1.isend(b, 0, t_ba), b1.irecv(got_a, 0, t_ab)]
+            for w in works:
+                w.wait(10)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    assert torch.equal(a, got_a) and torch.equal(b, got_b)
+
+
+def test_64mib_content(pair) -> None:
+    b0, b1 = pair
+    n = 64 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    _exchange(b1, b0, src, dst, _tag())
+    assert torch.equal(src, dst)
+
+
+def test_size_and_dtype_mismatch_fail_both_sides(pair) -> None:
+    b0, b1 = pair
+    tag = _tag()
+    s = b0.isend(torch.zeros(10), 1, tag)
+    r = b1.irecv(torch.zeros(11), 0, tag)
+    with pytest.raises(TensorMismatchError):
+        r.wait(10)
+    with pytest.raises(TensorMismatchError):
+        s.wait(10)
+    tag = _tag()
+    s = b0.isend(torch.zeros(4, dtype=torch.int32), 1, tag)
+    r = b1.irecv(torch.zeros(4, dtype=torch.float32), 0, tag)
+    with pytest.raises(TensorMismatchError):
+        r.wait(10)
+    with pytest.raises(TensorMismatchError):
+        s.wait(10)
+    # the pair still works afterwards
+    src, dst = torch.arange(5.0), torch.zeros(5)
+    _exchange(b0, b1, src, dst, _tag())
+    assert torch.equal(src, dst)
+
+
+def test_recv_without_sender_times_out(pair) -> None:
+    b0, _ = pair
+    w = b0.irecv(torch.zeros(3), 1, _tag())
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        w.wait(0.5)
+    elapsed = time.monotonic() - t0
+    assert 0.45 <= elapsed < 1.5
+    err = info.value
+    assert err.group == "ucx-test" and err.rank == 0 and err.peer == 1 and err.op == "recv"
+
+
+def _connect_with_wrong_secret(port: int, host: str) -> str:
+    """Connect to a listener as an outsider and answer the challenge with a bad MAC; returns what happened."""
+    from ucxx._lib_async.application_context import ApplicationContext
+
+    async def attack() -> str:
+        ctx = ApplicationContext(progress_mode="thread", enable_python_future=True)
+        ep = await ctx.create_endpoint(host, port)
+        challenge = bytearray(32)
+        await asyncio.wait_for(ep.recv(challenge, tag=ucx_mod._HS_TAG_CHALLENGE), 5)
+        bad = ucx_mod._RESPONSE.pack(0, os.urandom(32), b"\0" * 32)
+        await asyncio.wait_for(ep.send(bytearray(bad), tag=ucx_mod._HS_TAG_RESPONSE), 5)
+        confirm = bytearray(36)
+        try:
+            await asyncio.wait_for(ep.recv(confirm, tag=ucx_mod._HS_TAG_CONFIRM), 2)
+            outcome = "accepted"
+        except BaseException as e:  # closed endpoint or timeout: rejected
+            outcome = f"rejected ({type(e).__name__})"
+        ep.abort(period=10**8)
+        ctx.stop_notifier_thread()
+        ctx.worker.stop_progress_thread()
+        return outcome
+
+    result: List[str] = []
+    t = threading.Thread(target=lambda: result.append(asyncio.run(attack())))
+    t.start()
+    t.join(20)
+    return result[0] if result else "hung"
+
+
+def test_unauthenticated_client_rejected_and_group_keeps_working(pair) -> None:
+    b0, b1 = pair
+    before = b1.stats["rejected_connections"]
+    raw = b1.config.rendezvous.get("ucx/addr/1", 5)
+    host, _, port = raw.decode().rpartition(":")
+    outcome = _connect_with_wrong_secret(int(port), host)
+    assert outcome.startswith("rejected"), outcome
+    deadline = time.monotonic() + 5
+    while b1.stats["rejected_connections"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b1.stats["rejected_connections"] == before + 1
+    src, dst = torch.randn(1000), torch.zeros(1000)
+    _exchange(b0, b1, src, dst, _tag())
+    assert torch.equal(src, dst)
+    _exchange(b1, b0, dst, src, _tag())
+
+
+def test_abort_fails_pending_fast_and_shutdown_idempotent_quick() -> None:
+    b0, b1 = _make_pair()
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    _exchange(b0, b1, src, dst, 1)  # connect first
+    pending = b1.irecv(torch.zeros(8), 0, 2)
+    t0 = time.monotonic()
+    b1.abort()
+    with pytest.raises(GroupDestroyedError):
+        pending.wait(5)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(GroupDestroyedError):
+        b1.isend(torch.zeros(1), 0, 3)
+    # the peer learns that the connection is gone instead of hanging until its timeout
+    w = b0.irecv(torch.zeros(8), 1, 4)
+    with pytest.raises(Exception) as info:
+        w.wait(5)
+    assert not isinstance(info.value, CollectiveTimeoutError)
+    t0 = time.monotonic()
+    for b in (b0, b1, b0, b1):
+        b.shutdown()
+    assert time.monotonic() - t0 < 3.0
+    assert not b0._thread.is_alive() and not b1._thread.is_alive()
+
+
+def test_shutdown_unconnected_is_quick() -> None:
+    b0, b1 = _make_pair()
+    t0 = time.monotonic()
+    b0.shutdown()
+    b1.shutdown()
+    b1.shutdown()
+    assert time.monotonic() - t0 < 2.0
