@@ -36,9 +36,13 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     """Rebuild the value ``meta`` stands for in this process."""
     if ctx.is_me(meta.producer):
         entry = ctx.table.get(meta.obj_id)
-        if entry is None:
+        if entry is not None:
+            return unflatten(meta.skeleton, entry.flat.leaves)
+        leaves = ctx.table.get_weak(meta.obj_id) if meta.inline is not None else None
+        if leaves is not None:
+            return unflatten(meta.skeleton, leaves)
+        if meta.inline is None:
             raise ObjectFreedError(f"{meta.describe()} was already freed in its producer", object_id=meta.id_hex)
-        return unflatten(meta.skeleton, entry.flat.leaves)
     task_id = _task_id()
     key = (task_id, meta.obj_id)
     if task_id is not None:

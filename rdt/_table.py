@@ -34,13 +34,44 @@ class Entry:
 
 
 class ObjectTable:
-    """Thread-safe map obj_id -> Entry. Frees run a release hook (unlink shm, deregister NIXL) off the caller's thread."""
+    """Thread-safe map obj_id -> Entry, plus weak entries for inlined objects (their bytes travel with the ref).
+
+    A weak entry only remembers the producer's own leaf objects while the producer itself keeps them alive, so a
+    small object passed back to its producer is still the very same tensors, yet nothing is held for it.
+    """
 
     def __init__(self, release: Callable[[Entry], None]) -> None:
         self._entries: Dict[bytes, Entry] = {}
+        self._weak: Dict[bytes, List[Any]] = {}
         self._lock = threading.Lock()
         self._release = release
         self.freed = 0
+
+    def add_weak(self, obj_id: bytes, leaves: List[Any]) -> None:
+        import weakref
+
+        def drop(_ref: Any) -> None:
+            with self._lock:
+                self._weak.pop(obj_id, None)
+
+        try:
+            refs = [weakref.ref(x, drop) for x in leaves]
+        except TypeError:
+            return
+        with self._lock:
+            self._weak[obj_id] = refs
+
+    def get_weak(self, obj_id: bytes) -> Optional[List[Any]]:
+        with self._lock:
+            refs = self._weak.get(obj_id)
+        if refs is None:
+            return None
+        leaves = [r() for r in refs]
+        return leaves if all(x is not None for x in leaves) else None
+
+    def weak_count(self) -> int:
+        with self._lock:
+            return len(self._weak)
 
     def add(self, entry: Entry) -> None:
         with self._lock:

@@ -1,0 +1,66 @@
+"""Shared fixtures: one real local Ray cluster per test module, bound to loopback."""
+
+from __future__ import annotations
+
+import os
+
+# Loopback only, set before Ray (and thus its workers) start.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+HAS_NIXL = _has_module("nixl_cu13") or _has_module("nixl") or _has_module("nixl_cu12")
+HAS_UCXX = _has_module("ucxx")
+
+
+def start_local_ray() -> None:
+    """Start the shared local cluster (small explicit resources, loopback) if it is not running."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(num_cpus=16, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in
+                                       ("GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "UCX_WARN_UNUSED_ENV_VARS",
+                                        "NIXL_LOG_LEVEL")}})
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray cluster shared by the whole session (actor start-up dominates test time)."""
+    import ray
+
+    start_local_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """The shared cluster, (re)started if a previous module shut it down (e.g. the multi-node tests)."""
+    start_local_ray()
+    return ray_session
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes; return the last value."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value

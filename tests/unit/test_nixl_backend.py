@@ -1,0 +1,206 @@
+"""Real-NIXL tests of NixlBackend: two agents (rank 0 and 1) in one process, driven from two threads."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import hashlib
+import hmac
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, List, Tuple
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13", reason="needs nixl-cu13")  # the backend also accepts nixl / nixl-cu12
+ray = pytest.importorskip("ray")
+
+from rdt_transports._rendezvous import Rendezvous  # noqa: E402
+from rdt_transports.backends.base import BackendConfig  # noqa: E402
+from rdt_transports.backends.nixl import _HEADER, _KIND_DONE, _MAGIC, _VERSION, NixlBackend  # noqa: E402
+from rdt_transports.errors import CollectiveTimeoutError, GroupDestroyedError, TensorMismatchError  # noqa: E402
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    """One local Ray instance per module: the rendezvous lives in its GCS."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def make_pair(timeout: float = TIMEOUT) -> Tuple[NixlBackend, NixlBackend]:
+    """Two backends (rank 0 and 1) of a fresh group incarnation."""
+    uid = uuid.uuid4().hex
+    rdv = Rendezvous(uid, "nixl-test")
+    secret = os.urandom(32)
+    cfgs = [BackendConfig("nixl-test", uid, r, 2, timeout, secret, rdv) for r in range(2)]
+    with ThreadPoolExecutor(2) as ex:
+        b0, b1 = ex.map(NixlBackend, cfgs)
+    return b0, b1
+
+
+@pytest.fixture()
+def pair() -> Iterator[Tuple[NixlBackend, NixlBackend]]:
+    """A backend pair shut down after the test."""
+    b0, b1 = make_pair()
+    yield b0, b1
+    b0.shutdown()
+    b1.shutdown()
+
+
+def run_both(f0: Callable[[], object], f1: Callable[[], object]) -> List[object]:
+    """Run the two ranks' bodies concurrently; re-raise the first failure."""
+    with ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(f0), ex.submit(f1)]
+        return [f.result(timeout=60) for f in futs]
+
+
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.float32, (7,)), (torch.float64, (3, 5)), (torch.int64, (2, 3, 4)), (torch.uint8, (1000,)),
+     (torch.bfloat16, (33, 2)), (torch.float16, (1,)), (torch.int32, (0,))],
+)
+def test_send_recv_dtypes(pair, dtype, shape) -> None:
+    b0, b1 = pair
+    src = (torch.arange(int(torch.Size(shape).numel())) % 100).to(dtype).reshape(shape)
+    dst = torch.zeros(shape, dtype=dtype)
+    run_both(lambda: b0.isend(src, 1, 5).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 5).wait(TIMEOUT))
+    assert torch.equal(src, dst)
+
+
+def test_out_of_order_posting(pair) -> None:
+    b0, b1 = pair
+    a, b = torch.randn(1000), torch.randn(2000)
+    ra, rb = torch.empty_like(a), torch.empty_like(b)
+    # recv posted before its send (tag 1), and send posted before its recv (tag 2); tags matched out of order.
+    w_r1 = b1.irecv(ra, 0, 1)
+    w_s2 = b0.isend(b, 1, 2)
+    time.sleep(0.05)
+    w_s1 = b0.isend(a, 1, 1)
+    w_r2 = b1.irecv(rb, 0, 2)
+    run_both(lambda: (w_s2.wait(TIMEOUT), w_s1.wait(TIMEOUT)), lambda: (w_r2.wait(TIMEOUT), w_r1.wait(TIMEOUT)))
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
+def test_both_directions_at_once(pair) -> None:
+    b0, b1 = pair
+    x0, x1 = torch.randn(1 << 18), torch.randn(1 << 18)
+    y0, y1 = torch.empty_like(x0), torch.empty_like(x1)
+
+    def rank(b: NixlBackend, x: torch.Tensor, y: torch.Tensor, peer: int) -> None:
+        ws = [b.isend(x, peer, 10), b.irecv(y, peer, 10), b.isend(x[:100], peer, 11), b.irecv(y[:100], peer, 11)]
+        for w in ws:
+            w.wait(TIMEOUT)
+
+    run_both(lambda: rank(b0, x0, y0, 1), lambda: rank(b1, x1, y1, 0))
+    assert torch.equal(y1, x0) and torch.equal(y0, x1)
+
+
+def test_64mib_and_cache_reuse(pair) -> None:
+    b0, b1 = pair
+    src = torch.randint(0, 1 << 30, (16 << 20,), dtype=torch.int32)  # 64 MiB
+    dst = torch.zeros_like(src)
+    for tag in (0, 1):
+        dst.zero_()
+        run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
+        assert torch.equal(src, dst)
+    assert b1.registration_cache.registrations == 1 and b1.registration_cache.hits == 1
+    assert b0.registration_cache.registrations == 1
+
+
+def test_registration_not_reused_after_free(pair) -> None:
+    b0, b1 = pair
+    for tag in range(4):  # fresh tensors each time: dead storages must be deregistered, never reused stale
+        src = torch.full((4096,), float(tag))
+        dst = torch.zeros(4096)
+        run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
+        assert torch.equal(src, dst)
+        del src, dst
+    assert len(b1.registration_cache) <= 2 and len(b0.registration_cache) <= 2
+
+
+def test_size_mismatch_fails_both_sides(pair) -> None:
+    b0, b1 = pair
+    src, dst = torch.zeros(100), torch.zeros(200)
+
+    def expect_mismatch(fn: Callable[[], None]) -> str:
+        with pytest.raises(TensorMismatchError) as ei:
+            fn()
+        return str(ei.value)
+
+    m0, m1 = run_both(lambda: expect_mismatch(lambda: b0.isend(src, 1, 3).wait(TIMEOUT)),
+                      lambda: expect_mismatch(lambda: b1.irecv(dst, 0, 3).wait(TIMEOUT)))
+    for m in (m0, m1):
+        assert "400 bytes" in m and "800 bytes" in m
+
+
+def test_recv_without_sender_times_out(pair) -> None:
+    _, b1 = pair
+    w = b1.irecv(torch.zeros(10), 0, 99)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as ei:
+        w.wait(0.5)
+    elapsed = time.monotonic() - t0
+    assert 0.5 <= elapsed < 0.5 + 0.5
+    assert ei.value.peer == 0 and ei.value.op == "recv" and "tag 99" in str(ei.value)
+
+
+def test_forged_notification_is_ignored(pair) -> None:
+    b0, b1 = pair
+    dst = torch.zeros(64)
+    w = b1.irecv(dst, 0, 7)
+    # Rank 0's agent sends a DONE for tag 7 signed with the wrong key, then a truncated one: both dropped.
+    body = _HEADER.pack(_MAGIC, _VERSION, _KIND_DONE, 0, 1, 7, 256, 8, 0, 0, 0, 0, 0, 0, 0, 0)
+    forged = body + hmac.new(b"wrong key", body, hashlib.sha256).digest()
+    name1 = b1._names[1]
+    b0._ensure_peer(1, "send")  # load rank 1's metadata so rank 0's agent can notify it
+    with b0._lock:
+        b0._agent.send_notif(name1, forged)
+        b0._agent.send_notif(name1, b"RDTX\x01")
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # rank 0's UCX wires up only while it progresses
+        b0.progress()
+        b1.progress()
+    assert b1.stats["dropped_bad_mac"] == 1 and b1.stats["dropped_malformed"] == 1
+    assert not w.is_completed()
+    src = torch.arange(64, dtype=torch.float32)
+    run_both(lambda: b0.isend(src, 1, 7).wait(TIMEOUT), lambda: w.wait(TIMEOUT))
+    assert torch.equal(src, dst)
+
+
+def test_abort_fails_waits_fast(pair) -> None:
+    _, b1 = pair
+    w = b1.irecv(torch.zeros(10), 0, 42)
+    b1.abort()
+    t0 = time.monotonic()
+    with pytest.raises(GroupDestroyedError):
+        w.wait(10.0)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(GroupDestroyedError):
+        b1.irecv(torch.zeros(10), 0, 43)
+
+
+def test_shutdown_idempotent() -> None:
+    b0, b1 = make_pair()
+    w = b1.irecv(torch.zeros(10), 0, 1)  # pending at shutdown: released, its wait fails
+    src, dst = torch.ones(100), torch.zeros(100)
+    run_both(lambda: b0.isend(src, 1, 2).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 2).wait(TIMEOUT))
+    for _ in range(2):
+        b1.shutdown()
+        b0.shutdown()
+    assert len(b1.registration_cache) == 0 and len(b0.registration_cache) == 0
+    with pytest.raises(GroupDestroyedError):
+        w.wait(1.0)
