@@ -141,8 +141,8 @@ def flatten(value: Any) -> Flattened:
         buf.set_(owner.untyped_storage(), span[0], (span[1] - span[0],), (1,))
         span[2] = len(buffers)
         buffers.append(buf)
-    for (t, kind), (key, start) in zip(found.tensors, layout):
-        rg = bool(t.requires_grad) if kind == KIND_PARAMETER else False
+    for (t, kind), (key, start), leaf in zip(found.tensors, layout, found.leaves):
+        rg = bool(leaf.requires_grad) if kind == KIND_PARAMETER else False
         if t.numel() == 0:
             specs.append(TensorSpec(-1, _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0, kind, rg))
             continue

@@ -66,18 +66,12 @@ class NixlAgent:
         self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self.lock = threading.Lock()
         self._remotes: set = set()
-        self._md: Optional[bytes] = None
-
-    def metadata(self) -> bytes:
-        if self._md is None:
-            self._md = self.agent.get_agent_metadata()
-        return self._md
 
     def ensure_remote(self, name: str, md: bytes) -> None:
+        """Load (or extend) what we know of a remote agent; loading partial metadata again is cheap (~1 µs)."""
         with self.lock:
-            if name not in self._remotes:
-                self.agent.add_remote_agent(md)
-                self._remotes.add(name)
+            self.agent.add_remote_agent(md)
+            self._remotes.add(name)
 
 
 def agent(ctx: "RdtContext") -> NixlAgent:
@@ -101,7 +95,10 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
     bufs = entry.buffers
     reg = ag.agent.register_memory(bufs)
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
-    info = NixlInfo(ag.name, ag.metadata(), _mem_type(bufs), descs)
+    # Partial metadata: connection info plus just this object's registrations, so it stays small however many
+    # objects are alive, and is never stale (full metadata fetched once would miss later registrations).
+    md = ag.agent.get_partial_agent_metadata(reg, True)
+    info = NixlInfo(ag.name, md, _mem_type(bufs), descs)
     entry.nixl = (reg, info)
     return info
 

@@ -158,7 +158,7 @@ def allreduce(p2p: "P2P", tensor: torch.Tensor, op: ReduceOp) -> None:
 def reducescatter(p2p: "P2P", tensor: torch.Tensor, inputs: List[torch.Tensor], op: ReduceOp) -> None:
     """Fold, recursive halving over the n blocks (participants own their represented ranks' blocks), unfold."""
     n, r, m = p2p.world_size, p2p.rank, tensor.numel()
-    acc = pack(inputs).clone() if n == 1 else pack(inputs)  # a working copy; inputs stay untouched
+    acc = torch.cat([flat(t) for t in inputs])  # a working copy; inputs stay untouched
     fold = Fold(r, n)
     fold.fold_in(p2p, acc, op)
     if fold.me >= 0:
@@ -193,14 +193,12 @@ def alltoall(p2p: "P2P", outputs: List[torch.Tensor], inputs: List[torch.Tensor]
     """Bruck all-to-all: rotate, then in round k forward every block whose index has bit k set to rank r+2**k."""
     r, n = p2p.rank, p2p.world_size
     m = inputs[0].numel()
-    work = pack([inputs[(r + i) % n] for i in range(n)])
-    if n == 1:
-        work = work.clone()
+    work = torch.cat([flat(inputs[(r + i) % n]) for i in range(n)])  # a working copy; inputs stay untouched
     blocks = [work[i * m:(i + 1) * m] for i in range(n)]
     d, rnd = 1, 0
     while d < n:
         moving = [blocks[i] for i in range(n) if i & d]
-        send = pack(moving).clone() if len(moving) == 1 else pack(moving)
+        send = pack(moving)  # exchange() completes before unpack() overwrites these blocks
         recv = torch.empty_like(send)
         exchange(p2p, send, (r + d) % n, recv, (r - d) % n, _step(0, rnd))
         unpack(recv, moving)

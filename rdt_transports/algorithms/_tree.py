@@ -153,7 +153,7 @@ def allgather(p2p: "P2P", outputs: List[torch.Tensor], tensor: torch.Tensor) -> 
 
 def reducescatter(p2p: "P2P", tensor: torch.Tensor, inputs: List[torch.Tensor], op: ReduceOp) -> None:
     """Binomial reduce of all n blocks to rank 0, then binomial scatter of the reduced blocks."""
-    acc = pack(inputs).clone() if len(inputs) == 1 else pack(inputs)
+    acc = torch.cat([flat(t) for t in inputs])  # a working copy; inputs stay untouched
     reduce_buffer(p2p, acc, 0, op, 0)
     mine = scatter_blocks(p2p, acc if p2p.rank == 0 else None, tensor.numel(), tensor, 0, 1)
     out = flat(tensor)
