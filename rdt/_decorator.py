@@ -72,6 +72,10 @@ def tensor_method(
                 return _produce(value, transport, snapshot, seconds, getattr(sync_wrapper, "__ray_num_returns__", 1))
 
             wrapper = sync_wrapper
+        # Ray inspect.unwrap()s methods before reading options such as __ray_num_returns__, so keep Ray on
+        # this wrapper (where @ray.method and num_returns= put them) while showing it fn's signature.
+        wrapper.__signature__ = inspect.signature(fn)
+        del wrapper.__wrapped__
         if num_returns is not None:
             wrapper.__ray_num_returns__ = num_returns
         wrapper.__rdt_tensor_transport__ = transport

@@ -153,6 +153,11 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
             object_id=meta.id_hex,
             hint="the producer may be dead or stuck; raise rdt.configure(transfer_timeout=...) for huge objects",
         ) from e
+    except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets)
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
+        raise ObjectFetchError(f"fetching {meta.describe()} over {path} failed: {type(e).__name__}: {e}",
+                               object_id=meta.id_hex) from e
 
 
 def _producer_alive(ctx: Any, meta: ObjectMeta) -> bool:
@@ -200,6 +205,9 @@ def _fetch_shm(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]
         (n,) = struct.unpack_from("!I", body)
         layout = [struct.unpack_from("!QQ", body, 4 + 16 * i) for i in range(n)]
         return _shm.map_segment(name.decode(), layout)
+    if not _shm.owner_alive(seg.name):  # same node, so the pid in the name is meaningful
+        _shm.unlink(seg.name)
+        raise _died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
     try:
         return _shm.map_segment(seg.name, seg.layout)
     except FileNotFoundError as e:

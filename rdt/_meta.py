@@ -75,5 +75,21 @@ def _rebuild(state: dict) -> Any:
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", state)
     from ._context import get_context
+    from .errors import RdtError
 
-    return get_context().resolve(meta)
+    try:
+        return get_context().resolve(meta)
+    except RdtError as err:
+        # Raised here, Ray would hide it inside a RaySystemError. Returned as a RayTaskError value, Ray raises it
+        # (task argument or ray.get alike) and the caller can catch our typed error itself.
+        return _as_ray_error(err)
+
+
+def _as_ray_error(err: BaseException) -> Any:
+    import os
+    import traceback
+
+    import ray.exceptions
+
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return ray.exceptions.RayTaskError("rdt: fetching an object's tensors", tb, err, pid=os.getpid())

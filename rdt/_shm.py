@@ -94,15 +94,34 @@ def reap_dead_owners() -> int:
         m = _NAME_RE.match(name)
         if not m:
             continue
-        pid = int(m.group(1))
+        if not pid_alive(int(m.group(1))):
+            unlink(name)
+            removed += 1
+    return removed
+
+
+def owner_alive(name: str) -> bool:
+    """Whether the process that wrote segment ``name`` still runs (on this node)."""
+    m = _NAME_RE.match(name)
+    return bool(m) and pid_alive(int(m.group(1)))
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs; a killed process its parent has not reaped yet (zombie) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (FileNotFoundError, IndexError):
+        return False
+    except OSError:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            unlink(name)
-            removed += 1
+            return False
         except PermissionError:
             pass
-    return removed
+        return True
 
 
 def segments_of(pid: int) -> List[str]:
