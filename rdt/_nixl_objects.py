@@ -93,11 +93,12 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
         return entry.nixl[1]
     ag = agent(ctx)
     bufs = entry.buffers
-    reg = ag.agent.register_memory(bufs)
+    with ag.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
+        reg = ag.agent.register_memory(bufs)
+        # Partial metadata: connection info plus just this object's registrations, so it stays small however
+        # many objects are alive, and is never stale (full metadata fetched once would miss later registrations).
+        md = ag.agent.get_partial_agent_metadata(reg, True)
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
-    # Partial metadata: connection info plus just this object's registrations, so it stays small however many
-    # objects are alive, and is never stale (full metadata fetched once would miss later registrations).
-    md = ag.agent.get_partial_agent_metadata(reg, True)
     info = NixlInfo(ag.name, md, _mem_type(bufs), descs)
     entry.nixl = (reg, info)
     return info
@@ -110,7 +111,8 @@ def release(ctx: "RdtContext", entry: "Entry") -> None:
     reg, _ = entry.nixl
     entry.nixl = None
     try:
-        ctx.nixl.agent.deregister_memory(reg)
+        with ctx.nixl.lock:
+            ctx.nixl.agent.deregister_memory(reg)
     except Exception:  # deregistration failure must not break freeing
         pass
 
@@ -156,13 +158,16 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
     ag = agent(ctx)
     ag.ensure_remote(info.agent, info.agent_md)
     dst = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in info.descs]
-    reg = ag.agent.register_memory(dst)
+    with ag.lock:
+        reg = ag.agent.register_memory(dst)
     try:
-        local = ag.agent.get_xfer_descs(dst)
-        remote = ag.agent.get_xfer_descs(list(info.descs), info.mem_type)
-        handle = ag.agent.initialize_xfer("READ", local, remote, info.agent)
+        with ag.lock:
+            local = ag.agent.get_xfer_descs(dst)
+            remote = ag.agent.get_xfer_descs(list(info.descs), info.mem_type)
+            handle = ag.agent.initialize_xfer("READ", local, remote, info.agent)
         try:
-            state = ag.agent.transfer(handle)
+            with ag.lock:
+                state = ag.agent.transfer(handle)
             deadline = time.monotonic() + timeout
             delay = 1e-5
             while state == "PROC":
@@ -170,14 +175,17 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
                     raise TimeoutError(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
-                state = ag.agent.check_xfer_state(handle)
+                with ag.lock:
+                    state = ag.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"NIXL READ from {info.agent} failed (state {state}); the producer may have died")
         finally:
             try:
-                handle.release()
+                with ag.lock:
+                    handle.release()
             except Exception:
                 pass
     finally:
-        ag.agent.deregister_memory(reg)
+        with ag.lock:
+            ag.agent.deregister_memory(reg)
     return dst

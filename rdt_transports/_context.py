@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
 from .backends import BackendConfig, backend_class
-from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError
+from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError, RdtError
 from .group import CollectiveGroup
 
 _INCARNATION_WAIT_POLL = 0.01
@@ -59,7 +59,10 @@ class ProcessContext:
     ) -> CollectiveGroup:
         """Join group ``group_name`` as ``rank``; blocks until every rank has joined or the timeout passes."""
         _check_membership(world_size, rank, group_name)
-        cls = backend_class(backend)
+        try:
+            cls = backend_class(backend)
+        except RdtError as e:
+            raise type(e)(e.message, group=group_name, rank=rank, op="init_collective_group", hint=e.hint) from None
         with self._lock:
             if group_name in self._groups:
                 raise GroupExistsError(

@@ -136,7 +136,10 @@ def create_collective_group(
 
     actors = list(actors)
     seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
-    backend_class(backend)  # unknown backend / missing package: fail before touching any actor
+    try:  # unknown backend / missing package: fail before touching any actor
+        backend_class(backend)
+    except RdtError as e:
+        raise type(e)(e.message, group=group_name, op="create_collective_group", hint=e.hint) from None
     if not actors:
         raise InvalidArgumentError("actors must be a non-empty list of actor handles", group=group_name)
     ids = []
@@ -153,7 +156,9 @@ def create_collective_group(
         raise InvalidArgumentError(f"world_size={world_size} but {len(actors)} actors were given", group=group_name)
     ranks = list(range(world_size)) if ranks is None else list(ranks)
     if sorted(ranks) != list(range(world_size)):
-        raise InvalidArgumentError(f"ranks {ranks} must be a permutation of 0..{world_size - 1}", group=group_name)
+        raise InvalidArgumentError(f"ranks {ranks} must be a permutation of 0..{world_size - 1}", group=group_name,
+                                   op="create_collective_group",
+                                   hint=f"pass ranks=None (actor order) or a reordering of {list(range(world_size))}")
     if not isinstance(group_name, str) or not group_name:
         raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
     uid = uuid.uuid4().hex

@@ -48,23 +48,15 @@ class RdtError(RuntimeError):
         return (_rebuild_error, (type(self), self.message, self.__dict__.copy()))
 
 
+_FIELDS = ("group", "rank", "peer", "op", "object_id", "hint")
+
+
 def _rebuild_error(cls: type, message: str, state: dict) -> "RdtError":
-    err = cls.__new__(cls)
-    RuntimeError.__init__(err, _format(message, state))
-    err.__dict__.update(state)
+    # Through __init__, never cls.__new__: classes that also derive from TimeoutError/KeyError have a C layout
+    # that RuntimeError.__new__ cannot build.
+    err = cls(message, **{k: state.get(k) for k in _FIELDS})
+    err.__dict__.update({k: v for k, v in state.items() if k not in _FIELDS and k != "message"})
     return err
-
-
-def _format(message: str, state: dict) -> str:
-    ctx = [
-        f"{k}={state.get(a)!r}"
-        for k, a in (("group", "group"), ("rank", "rank"), ("peer", "peer"), ("op", "op"), ("object", "object_id"))
-        if state.get(a) is not None
-    ]
-    text = ("[" + ", ".join(ctx) + "] " if ctx else "") + message
-    if state.get("hint"):
-        text += f" Fix: {state['hint']}"
-    return text
 
 
 class InvalidArgumentError(RdtError, ValueError):

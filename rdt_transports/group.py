@@ -28,6 +28,7 @@ from .errors import (
     InvalidArgumentError,
     PeerUnavailableError,
     RdtError,
+    TensorMismatchError,
     UnsupportedError,
 )
 from .types import GroupState, ReduceOp, Timeout, to_seconds
@@ -230,7 +231,7 @@ class CollectiveGroup:
         except RdtError as e:
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
                 self._mark_errored(e)
-            if e.group is None:  # add our context to backend errors
+            if e.group != self.name or e.op != op or e.rank != self.rank:  # name the user's op, not the inner step
                 raise type(e)(
                     e.message, group=self.name, rank=self.rank, peer=e.peer if e.peer is not None else peer,
                     op=op, object_id=e.object_id, hint=e.hint,
@@ -269,8 +270,11 @@ class CollectiveGroup:
             raise InvalidArgumentError("cannot send to self", group=self.name, rank=self.rank, peer=dst, op="send",
                                        hint="pick another rank as dst_rank")
         tag = self._p2p_tag(self._send_seq, dst)
-        self._run("send", timeout, lambda d: self.backend.isend(t, dst, tag).wait(max(d - time.monotonic(), 1e-3)),
-                  t.numel() * t.element_size(), peer=dst)
+        if self.backend.capabilities.checks_p2p_sizes:
+            body = lambda d: self.backend.isend(t, dst, tag).wait(_left(d))  # noqa: E731
+        else:
+            body = lambda d: self._checked_send(t, dst, tag, d)  # noqa: E731
+        self._run("send", timeout, body, _nbytes(t), peer=dst)
 
     def recv(self, tensor: Any, src_rank: int, *, timeout: Timeout = None) -> None:
         t = self._tensor(tensor, "tensor", "recv")
@@ -279,8 +283,46 @@ class CollectiveGroup:
             raise InvalidArgumentError("cannot receive from self", group=self.name, rank=self.rank, peer=src,
                                        op="recv", hint="pick another rank as src_rank")
         tag = self._p2p_tag(self._recv_seq, src)
-        self._run("recv", timeout, lambda d: self.backend.irecv(t, src, tag).wait(max(d - time.monotonic(), 1e-3)),
-                  t.numel() * t.element_size(), peer=src)
+        if self.backend.capabilities.checks_p2p_sizes:
+            body = lambda d: self.backend.irecv(t, src, tag).wait(_left(d))  # noqa: E731
+        else:
+            body = lambda d: self._checked_recv(t, src, tag, d)  # noqa: E731
+        self._run("recv", timeout, body, _nbytes(t), peer=src)
+
+    # A size/dtype handshake for backends that cannot detect a mismatch (Gloo truncates, or aborts the receiving
+    # process): header -> ack/nack -> data. Tags: the p2p tag's payload times 4 plus 0 (header), 1 (ack), 2 (data).
+    def _sub(self, tag: int, kind: int) -> int:
+        return make_tag(TAG_P2P, ((tag & _PAYLOAD_MASK) << 2 | kind) & _PAYLOAD_MASK)
+
+    def _checked_send(self, t: torch.Tensor, dst: int, tag: int, deadline: float) -> None:
+        header = _describe(t)
+        ack = torch.zeros(3, dtype=torch.int64)
+        w_ack = self.backend.irecv(ack, dst, self._sub(tag, 1))
+        self.backend.isend(header, dst, self._sub(tag, 0)).wait(_left(deadline))
+        w_ack.wait(_left(deadline))
+        if int(ack[0]) != 1:
+            raise TensorMismatchError(
+                f"the receiver expects {int(ack[1])} bytes of {_DTYPES[int(ack[2])]} but this rank sends "
+                f"{_nbytes(t)} bytes of {t.dtype}", peer=dst, op="send",
+                hint="make the recv tensor the same size and dtype as the sent tensor",
+            )
+        self.backend.isend(t, dst, self._sub(tag, 2)).wait(_left(deadline))
+
+    def _checked_recv(self, t: torch.Tensor, src: int, tag: int, deadline: float) -> None:
+        header = torch.zeros(3, dtype=torch.int64)
+        self.backend.irecv(header, src, self._sub(tag, 0)).wait(_left(deadline))
+        mine = _describe(t)
+        ok = bool(torch.equal(header[1:], mine[1:]))
+        reply = mine.clone()
+        reply[0] = 1 if ok else 0
+        self.backend.isend(reply, src, self._sub(tag, 1)).wait(_left(deadline))
+        if not ok:
+            raise TensorMismatchError(
+                f"the sender sends {int(header[1])} bytes of {_DTYPES[int(header[2])]} but this rank receives into "
+                f"{_nbytes(t)} bytes of {t.dtype}", peer=src, op="recv",
+                hint="make the recv tensor the same size and dtype as the sent tensor",
+            )
+        self.backend.irecv(t, src, self._sub(tag, 2)).wait(_left(deadline))
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, name: str, algorithm: str, timeout: Timeout, nbytes: int, **kw: Any) -> None:
@@ -367,6 +409,18 @@ class CollectiveGroup:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
+
+
+def _describe(t: torch.Tensor) -> torch.Tensor:
+    """[flag, nbytes, dtype code] as a CPU int64 tensor (the handshake's header)."""
+    return torch.tensor([0, _nbytes(t), _DTYPES.index(t.dtype)], dtype=torch.int64)
 
 
 __all__ = ["CollectiveGroup", "make_tag", "TAG_OBJECT", "TAG_P2P", "TAG_COLLECTIVE", "PeerUnavailableError"]

@@ -40,6 +40,7 @@ class Capabilities:
     native_collectives: FrozenSet[str] = field(default_factory=frozenset)  # ops the library does itself
     native_reduce_ops: FrozenSet[ReduceOp] = field(default_factory=frozenset)
     can_abort: bool = True  # a stuck op can be ended without killing the process
+    checks_p2p_sizes: bool = True  # send/recv detect size/dtype mismatch themselves (else the group adds a header)
     requires: Optional[str] = None  # pip package that provides it, for error messages
 
     def supports_device(self, device_type: str) -> bool:
