@@ -7,6 +7,7 @@ turn an ObjectMeta back into the value. One RdtContext per process, created on f
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
@@ -98,6 +99,19 @@ class RdtContext:
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         _shm.reap_dead_owners()
+        atexit.register(self.shutdown)  # unlink our shm segments, deregister NIXL memory
+        threading.Thread(target=self._reap_loop, name="rdt-reaper", daemon=True).start()
+
+    def _reap_loop(self, period: float = 30.0) -> None:
+        """Unlink shm segments left by processes on this node that died (killed before they could clean up)."""
+        import time
+
+        while True:
+            time.sleep(period)
+            try:
+                _shm.reap_dead_owners()
+            except Exception:  # never let the reaper die on a transient error
+                logger.debug("rdt: shm reaper failed", exc_info=True)
 
     # ------------------------------------------------------------------ identity
     def producer_info(self) -> ProducerInfo:
@@ -264,7 +278,13 @@ class RdtContext:
         return resolve(self, meta)
 
     def shutdown(self) -> None:
-        self.table.clear()
+        """Free everything this process holds (at exit, or explicitly); idempotent."""
+        try:
+            self.table.clear()
+        except Exception:
+            pass
+        for name in _shm.segments_of(os.getpid()):
+            _shm.unlink(name)
         if self._server is not None:
             self._server.close()
         self.client.close()

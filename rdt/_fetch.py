@@ -62,6 +62,9 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
 
 
 def _task_id() -> Optional[str]:
+    worker = ray._private.worker.global_worker
+    if worker.mode != ray.WORKER_MODE:  # the driver has no task (and Ray would log a warning for asking)
+        return None
     try:
         return ray.get_runtime_context().get_task_id()
     except Exception:
@@ -107,7 +110,7 @@ def choose_path(meta: ObjectMeta) -> str:
     cpu = all(b.device == "cpu" for b in meta.buffers)
     if cpu and meta.producer.node_id == _node_id():
         return "shm"
-    common = _common_group(meta, ("gloo", "nccl"))
+    common = _common_group(meta, ("gloo", "nccl", "ucx"))
     if common is not None:
         return common[1].backend
     if meta.producer.nixl and _nixl_objects.available():
@@ -127,7 +130,7 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
     try:
         if path == "shm":
             return _fetch_shm(ctx, meta, timeout), "shm"
-        if path in ("gloo", "nccl"):
+        if path in ("gloo", "nccl", "ucx"):
             common = _common_group(meta, (path,))
             if common is None:
                 if _in_actor():

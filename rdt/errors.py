@@ -1,10 +1,14 @@
 """rdt's errors: the same typed hierarchy as rdt_transports (one base, RdtError), re-exported here."""
 
 from rdt_transports.errors import (  # noqa: F401
+    AuthenticationError,
     BackendUnavailableError,
     CollectiveTimeoutError,
     CommunicationError,
+    GroupDestroyedError,
     GroupError,
+    GroupErroredError,
+    GroupExistsError,
     GroupNotFoundError,
     InvalidArgumentError,
     NoCollectiveGroupError,
@@ -14,6 +18,7 @@ from rdt_transports.errors import (  # noqa: F401
     PeerUnavailableError,
     ProducerDiedError,
     RdtError,
+    TensorMismatchError,
     TransferTimeoutError,
     UnsupportedError,
 )
@@ -21,5 +26,6 @@ from rdt_transports.errors import (  # noqa: F401
 __all__ = [
     "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError", "TransferTimeoutError",
     "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
-    "GroupNotFoundError", "CommunicationError", "CollectiveTimeoutError", "PeerUnavailableError",
+    "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
+    "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",
 ]

@@ -56,6 +56,7 @@ class ProcessContext:
         timeout: float,
         uid: Optional[str] = None,
         secret: Optional[bytes] = None,
+        members: Optional[List[str]] = None,
     ) -> CollectiveGroup:
         """Join group ``group_name`` as ``rank``; blocks until every rank has joined or the timeout passes."""
         _check_membership(world_size, rank, group_name)
@@ -77,6 +78,7 @@ class ProcessContext:
                                                              timeout)
             assert secret is not None
             rdv = Rendezvous(uid, group_name)
+            rdv.put(f"member/{rank}", _my_actor_id().encode())
             config = BackendConfig(group_name, uid, rank, world_size, timeout, secret, rdv)
             impl = cls(config)
 
@@ -87,7 +89,7 @@ class ProcessContext:
                 if record is not None and rank == 0:
                     delete_incarnation(group_name, record)
 
-            group = CollectiveGroup(group_name, uid, impl, timeout, on_destroy)
+            group = CollectiveGroup(group_name, uid, impl, timeout, on_destroy, members)
         except BaseException:
             with self._lock:
                 self._groups.pop(group_name, None)
@@ -98,6 +100,15 @@ class ProcessContext:
 
     def destroy(self, name: str) -> None:
         self.get(name).destroy()
+
+
+def _my_actor_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_id() or ""
+    except Exception:
+        return ""
 
 
 def _check_membership(world_size: object, rank: object, group_name: object) -> None:

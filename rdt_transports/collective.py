@@ -108,8 +108,8 @@ class GroupHandle:
 
 
 def _init_on_actor(_self: Any, world_size: int, rank: int, backend: str, name: str, timeout: float, uid: str,
-                   secret: bytes) -> int:
-    get_context().init_group(world_size, rank, backend, name, timeout, uid=uid, secret=secret)
+                   secret: bytes, members: List[str]) -> int:
+    get_context().init_group(world_size, rank, backend, name, timeout, uid=uid, secret=secret, members=members)
     return rank
 
 
@@ -163,8 +163,11 @@ def create_collective_group(
         raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
     uid = uuid.uuid4().hex
     secret = secrets.token_bytes(32)
+    members = [""] * world_size
+    for a, r in zip(actors, ranks):
+        members[r] = a._actor_id.hex()
     refs = [
-        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, seconds, uid, secret)
+        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, seconds, uid, secret, members)
         for a, r in zip(actors, ranks)
     ]
     handle = GroupHandle(group_name, uid, backend, actors, ranks, seconds)

@@ -79,8 +79,10 @@ class _OpChannel(algorithms.P2P):
 class CollectiveGroup:
     """One named group as seen by one rank. Created by init_collective_group; use the module functions or methods."""
 
-    def __init__(self, name: str, uid: str, backend: Backend, timeout: float, on_destroy: Callable[[], None]) -> None:
+    def __init__(self, name: str, uid: str, backend: Backend, timeout: float, on_destroy: Callable[[], None],
+                 members: Optional[Sequence[str]] = None) -> None:
         self.name = name
+        self.members: List[str] = list(members or [])  # actor id (hex) per rank, "" where unknown
         self.uid = uid
         self.backend = backend
         self.rank = backend.rank
@@ -127,6 +129,16 @@ class CollectiveGroup:
             self.backend.shutdown()
         finally:
             self._on_destroy()
+
+    def dead_ranks(self) -> List[int]:
+        """Ranks whose actor Ray reports DEAD (asks the GCS; used to name the culprit after a failure)."""
+        if not self.members:
+            self.members = _read_members(self)
+        dead = []
+        for r, actor_id in enumerate(self.members):
+            if r != self.rank and actor_id and _actor_state(actor_id) == "DEAD":
+                dead.append(r)
+        return dead
 
     def _mark_errored(self, err: BaseException) -> None:
         with self._lock:
@@ -229,13 +241,21 @@ class CollectiveGroup:
         try:
             fn(deadline)
         except RdtError as e:
+            dead: List[int] = []
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
                 self._mark_errored(e)
-            if e.group != self.name or e.op != op or e.rank != self.rank:  # name the user's op, not the inner step
-                raise type(e)(
-                    e.message, group=self.name, rank=self.rank, peer=e.peer if e.peer is not None else peer,
-                    op=op, object_id=e.object_id, hint=e.hint,
-                ) from e
+                dead = self.dead_ranks()
+            if dead or e.group != self.name or e.op != op or e.rank != self.rank:  # name the user's op and the dead
+                message = e.message + (f" (dead member rank(s): {dead})" if dead else "")
+                new = type(e)(
+                    message, group=self.name, rank=self.rank,
+                    peer=e.peer if e.peer is not None else (dead[0] if len(dead) == 1 else peer),
+                    op=op, object_id=e.object_id,
+                    hint=(f"rank(s) {dead} died: destroy the group and re-form it with the survivors plus "
+                          "replacements" if dead else e.hint),
+                )
+                new.dead_ranks = dead
+                raise new from e
             raise
         except Exception as e:  # a library error we did not classify
             err = CommunicationError(
@@ -409,6 +429,29 @@ class CollectiveGroup:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _actor_state(actor_id: str) -> str:
+    try:
+        import ray._private.state
+
+        info = ray._private.state.actors(actor_id)
+        return str(info.get("State", "")) if isinstance(info, dict) else ""
+    except Exception:  # diagnosis is best effort; never mask the original error
+        return ""
+
+
+def _read_members(group: "CollectiveGroup") -> List[str]:
+    """Members' actor ids as published by each rank at join time (actor-side init)."""
+    out = []
+    rdv = group.backend.config.rendezvous
+    for r in range(group.world_size):
+        try:
+            value = rdv.try_get(f"member/{r}")
+        except Exception:
+            value = None
+        out.append(value.decode() if value else "")
+    return out
 
 
 def _left(deadline: float) -> float:

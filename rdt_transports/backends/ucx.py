@@ -123,6 +123,8 @@ def _local_host() -> str:
     host = os.environ.get("RDT_UCX_HOST")
     if host:
         return host
+    if os.environ.get("UCX_NET_DEVICES", "").split(",") == ["lo"]:
+        return "127.0.0.1"  # UCX is limited to loopback: the node IP would be unreachable for it
     try:
         import ray.util
 

@@ -1,0 +1,165 @@
+"""rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store.
+
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``.
+Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
+info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. A suite is a function of a
+:class:`BenchContext` returning result dicts; add one to :data:`SUITES` to extend the matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from ._baselines import baseline_impls
+from ._cluster import ActorPool, env_mismatch, log, start_ray
+from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
+from ._report import check_targets, compare, format_table, format_targets, machine_info, write_json, write_png
+
+DEFAULT_SIZES = "4K,1M,16M,128M"
+QUICK_SIZES = "4K,64K"
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+P2P_WORLD_SIZE = 2
+
+Suite = Callable[[BenchContext], List[Dict[str, Any]]]
+
+
+def _impls(ctx: BenchContext, op: str) -> List[Impl]:
+    return rdt_impls(ctx.config.backends, op) + baseline_impls(op)
+
+
+def p2p_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
+    """Rank 0 -> rank 1 send/recv of one tensor, timed on the receiver."""
+    rows: List[Dict[str, Any]] = []
+    for impl in _impls(ctx, "p2p"):
+        if "p2p" in impl.ops:
+            rows += run_case(ctx, "p2p", "p2p", impl, P2P_WORLD_SIZE)
+    return rows
+
+
+def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
+    """In-place SUM allreduce over every world size, timed as the slowest rank per iteration."""
+    rows: List[Dict[str, Any]] = []
+    for ws in ctx.config.world_sizes:
+        for impl in _impls(ctx, "allreduce"):
+            if "allreduce" in impl.ops:
+                rows += run_case(ctx, "allreduce", "allreduce", impl, ws)
+    return rows
+
+
+SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite})
+
+
+def parse_size(text: str) -> int:
+    """'4K' / '4KiB' / '1M' / '4096' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    n = int(float(t[:-1] if mult > 1 else t) * mult)
+    if n < 4 or n % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes (float32)")
+    return n
+
+
+def _csv(text: str) -> List[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--suites", default="p2p,allreduce", help=f"comma list of: {', '.join(SUITES)}")
+    p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
+    p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
+    p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few iterations (CI smoke test)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup iterations (default: by size)")
+    p.add_argument("--out", default=None, help="JSON file, or directory for <timestamp>.json (default "
+                   "benchmarks/results/)")
+    p.add_argument("--no-png", action="store_true", help="do not draw the plot")
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--num-cpus", type=int, default=None, help="local cluster CPUs (default: max world size)")
+    p.add_argument("--object-store-mb", type=int, default=2048, help="local cluster object store size")
+    p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
+    return p
+
+
+def out_path(arg: Optional[str], stamp: str) -> Path:
+    """Where the JSON goes: a .json path as given, otherwise <dir>/<timestamp>.json."""
+    if arg is None:
+        return DEFAULT_OUT_DIR / f"{stamp}.json"
+    p = Path(arg)
+    return p if p.suffix == ".json" else p / f"{stamp}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected suites; returns the exit status."""
+    suites = _csv(args.suites)
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        log(f"unknown suite(s) {unknown}; choose from {list(SUITES)}")
+        return 2
+    sizes = [parse_size(s) for s in _csv(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))]
+    world_sizes = [int(w) for w in _csv(args.world_sizes)]
+    config = BenchConfig(sizes=sizes, world_sizes=world_sizes, backends=_csv(args.backends), quick=args.quick,
+                         iters=args.iters, warmup=args.warmup,
+                         group_timeout=args.group_timeout or (20.0 if args.quick else 30.0))
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    json_path = out_path(args.out, stamp)
+    num_cpus = args.num_cpus or max(world_sizes + [P2P_WORLD_SIZE])
+    started = time.monotonic()
+    cluster = start_ray(args.address, num_cpus, args.object_store_mb << 20)
+    pool = ActorPool()
+    ctx = BenchContext(config=config, pool=pool)
+    meta: Dict[str, Any] = {"machine": machine_info(), "cluster": cluster, "argv": sys.argv[1:],
+                            "config": {"suites": suites, "sizes": sizes, "world_sizes": world_sizes,
+                                       "backends": config.backends, "quick": config.quick}}
+    rows: List[Dict[str, Any]] = []
+    log(f"rdt-bench: suites={suites} sizes={[fmt_size(s) for s in sizes]} world_sizes={world_sizes} "
+        f"backends={config.backends} -> {json_path}")
+    try:
+        pool.get(P2P_WORLD_SIZE)
+        bad = env_mismatch(pool.info)
+        meta["actor_env"] = pool.info[0]["env"] if pool.info else {}
+        if bad:
+            log("warning: workers do not see the benchmark environment: " + "; ".join(bad))
+        for name in suites:
+            rows += SUITES[name](ctx)
+            meta["elapsed_s"] = round(time.monotonic() - started, 1)
+            write_json(json_path, meta, rows)  # partial results survive a later crash
+    finally:
+        pool.shutdown()
+        import ray
+
+        ray.shutdown()
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    meta["targets"] = check_targets(rows)
+    write_json(json_path, meta, rows)
+    png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows)
+    print(format_table(rows, sizes))
+    ratios = compare(rows)
+    if ratios:
+        print("\n== rdt-gloo relative throughput ==\n" + "\n".join(ratios))
+    if meta["targets"]:
+        print("\n== targets ==\n" + format_targets(meta["targets"]))
+    load = meta["machine"]["loadavg_at_start"][0]
+    if load > (os.cpu_count() or 1):
+        print(f"\nwarning: load average was {load:.1f} on {os.cpu_count()} cores at start: timings are noisy")
+    print(f"\nJSON: {json_path}" + (f"\nPNG:  {png}" if png else "") + f"\nelapsed: {meta['elapsed_s']} s")
+    return 0 if any("error" not in r for r in rows) else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (rdt-bench)."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
