@@ -194,5 +194,5 @@ def check_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def format_targets(targets: List[Dict[str, Any]]) -> str:
     """Targets as text lines."""
-    return "\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['target']:<48} median {t['ratio']:.2f}x  best-of "
+    return "\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['target']:<60} median {t['ratio']:.2f}x  best-of "
                      f"{t['ratio_best']:.2f}x" for t in targets)

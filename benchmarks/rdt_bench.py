@@ -1,6 +1,7 @@
-"""rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store.
+"""rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
+and rdt's object layer vs Ray's built-in RDT and object store.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``.
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``.
 Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
 info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. A suite is a function of a
 :class:`BenchContext` returning result dicts; add one to :data:`SUITES` to extend the matrix.
@@ -20,6 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from ._baselines import baseline_impls
 from ._cluster import ActorPool, env_mismatch, log, start_ray
 from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
+from ._objects import object_targets, objects_suite
 from ._report import check_targets, compare, format_table, format_targets, machine_info, write_json, write_png
 
 DEFAULT_SIZES = "4K,1M,16M,128M"
@@ -53,7 +55,8 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
     return rows
 
 
-SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite})
+SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
+                                               "objects": objects_suite})
 
 
 def parse_size(text: str) -> int:
@@ -73,7 +76,7 @@ def _csv(text: str) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--suites", default="p2p,allreduce", help=f"comma list of: {', '.join(SUITES)}")
+    p.add_argument("--suites", default="p2p,allreduce,objects", help=f"comma list of: {', '.join(SUITES)}")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
     p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
     p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
-    meta["targets"] = check_targets(rows)
+    meta["targets"] = check_targets(rows) + object_targets(rows)
     write_json(json_path, meta, rows)
     png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows)
     print(format_table(rows, sizes))

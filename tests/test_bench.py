@@ -15,9 +15,10 @@ EXPECTED_IMPLS = ("rdt-gloo", "ray.collective-gloo", "torch.dist-gloo", "ray-obj
 
 @pytest.mark.timeout(200)
 def test_rdt_bench_quick(tmp_path: Path) -> None:
-    """rdt-bench --quick --suites p2p,allreduce --out <tmp> exits 0 with positive gloo/baseline throughput."""
+    """rdt-bench --quick over all three suites exits 0 with positive rdt and baseline throughput."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.rdt_bench", "--quick", "--suites", "p2p,allreduce", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.rdt_bench", "--quick", "--suites", "p2p,allreduce,objects",
+         "--backends", "gloo,nixl", "--world-sizes", "2", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
@@ -32,6 +33,9 @@ def test_rdt_bench_quick(tmp_path: Path) -> None:
             assert rows, f"no successful {suite} rows for {impl}"
             assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rows), rows
     assert any(r["suite"] == "allreduce" and r.get("busbw_gbps", 0) > 0 for r in ok)
+    for impl in ("rdt-gloo", "rdt-shm", "rdt-auto", "ray-objstore", "ray-rdt-gloo"):
+        rows = [r for r in ok if r["suite"] == "objects" and r["impl"] == impl]
+        assert rows and all(r["gbps"] > 0 for r in rows), (impl, rows)
     png = files[0].with_suffix(".png")
     assert png.exists() and png.stat().st_size > 1000
     assert "rdt-gloo" in proc.stdout  # the table went to stdout

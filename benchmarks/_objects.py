@@ -1,0 +1,210 @@
+"""The object-layer suite: actor->actor ``ray.get(b.f.remote(a.g.remote()))`` for every rdt transport, Ray's
+built-in RDT (Gloo, NIXL) and Ray's object store, plus peak resident memory on both sides during the largest size.
+
+The producer returns a tensor it keeps (so no producer-side allocation is timed); the consumer touches one float
+per 4 KiB page (so lazily mapped data is really read) and returns a checksum that the driver verifies.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import psutil
+import ray
+import torch
+
+import rdt
+
+from ._cluster import log
+
+PAGE_FLOATS = 1024
+
+
+def _touch(t: torch.Tensor) -> float:
+    return float(t.view(-1)[::PAGE_FLOATS].sum())
+
+
+class _Producer:
+    """Shared body of the benchmark actor: one producing method per implementation."""
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(1)
+
+    def prepare(self, nbytes: int) -> int:
+        self.t = torch.ones(max(nbytes // 4, 1))
+        import os
+
+        return os.getpid()
+
+    def set_inline(self, nbytes: int) -> None:
+        rdt.configure(inline_threshold=nbytes)
+
+    def plain(self) -> torch.Tensor:
+        return self.t
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def rdt_gloo(self) -> torch.Tensor:
+        return self.t
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def rdt_shm(self) -> torch.Tensor:
+        return self.t
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def rdt_nixl(self) -> torch.Tensor:
+        return self.t
+
+    @rdt.tensor_method(tensor_transport="auto")
+    def rdt_auto(self) -> torch.Tensor:
+        return self.t
+
+    @ray.method(tensor_transport="gloo")
+    def ray_rdt_gloo(self) -> torch.Tensor:
+        return self.t
+
+    @ray.method(tensor_transport="nixl")
+    def ray_rdt_nixl(self) -> torch.Tensor:
+        return self.t
+
+    def consume(self, t: torch.Tensor) -> float:
+        return _touch(t)
+
+
+ObjActor = ray.remote(num_cpus=0)(_Producer)
+
+# impl name -> producing method; the first is the baseline the others are compared with
+IMPLS: Tuple[Tuple[str, str], ...] = (
+    ("ray-objstore", "plain"),
+    ("ray-rdt-gloo", "ray_rdt_gloo"),
+    ("ray-rdt-nixl", "ray_rdt_nixl"),
+    ("rdt-gloo", "rdt_gloo"),
+    ("rdt-gloo-noinline", "rdt_gloo"),
+    ("rdt-shm", "rdt_shm"),
+    ("rdt-nixl", "rdt_nixl"),
+    ("rdt-auto", "rdt_auto"),
+)
+
+
+def _iterations(nbytes: int, quick: bool) -> Tuple[int, int]:
+    if quick:
+        return 1, 3
+    if nbytes <= 64 << 10:
+        return 20, 200
+    if nbytes <= 1 << 20:
+        return 5, 30
+    if nbytes <= 16 << 20:
+        return 2, 10
+    return 1, 5
+
+
+class _RssSampler:
+    """Peak resident memory of some pids, sampled every 2 ms while active."""
+
+    def __init__(self, pids: List[int]) -> None:
+        self.procs = [psutil.Process(p) for p in pids]
+        self.peak = [p.memory_info().rss for p in self.procs]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for i, p in enumerate(self.procs):
+                try:
+                    self.peak[i] = max(self.peak[i], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            time.sleep(0.002)
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _round_trip(a: Any, b: Any, method: str, expect: float, timeout: float) -> float:
+    t0 = time.perf_counter()
+    got = ray.get(b.consume.remote(getattr(a, method).remote()), timeout=timeout)
+    dt = time.perf_counter() - t0
+    if abs(got - expect) > 1e-3 * max(expect, 1.0):
+        raise AssertionError(f"{method}: consumer checksum {got} != {expect}")
+    return dt
+
+
+def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
+    """Round trips per implementation and size, and peak RSS at the largest size."""
+    from ray.experimental.collective import create_collective_group as ray_rdt_group
+
+    quick = ctx.config.quick
+    a, b = ObjActor.remote(), ObjActor.remote()
+    rows: List[Dict[str, Any]] = []
+    try:
+        ray.get([a.prepare.remote(4), b.prepare.remote(4)], timeout=120)
+        group = rdt.create_collective_group([a, b], backend="gloo")
+        ray_rdt_group([a, b], backend="torch_gloo")
+        largest = max(ctx.config.sizes)
+        for nbytes in ctx.config.sizes:
+            pid_a = ray.get(a.prepare.remote(nbytes), timeout=120)
+            pid_b = ray.get(b.prepare.remote(4), timeout=120)
+            expect = float(len(range(0, max(nbytes // 4, 1), PAGE_FLOATS)))
+            warmup, iters = _iterations(nbytes, quick)
+            timeout = 60.0 + nbytes / 20e6
+            for impl, method in IMPLS:
+                ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10))
+                row: Dict[str, Any] = {"suite": "objects", "impl": impl, "size": nbytes, "world_size": 2}
+                try:
+                    for _ in range(warmup):
+                        _round_trip(a, b, method, expect, timeout)
+                    times = [_round_trip(a, b, method, expect, timeout) for _ in range(iters)]
+                    med, best = statistics.median(times), min(times)
+                    row.update(seconds=med, seconds_best=best, gbps=nbytes / med / 1e9, gbps_best=nbytes / best / 1e9,
+                               latency_us=med * 1e6, iters=iters)
+                    if nbytes == largest and not quick:
+                        with _RssSampler([pid_a, pid_b]) as s:
+                            idle = [p.memory_info().rss for p in s.procs]
+                            _round_trip(a, b, method, expect, timeout)
+                        row["rss_peak_over_idle_bytes"] = [pk - i for pk, i in zip(s.peak, idle)]
+                    log(f"objects {impl:<18} {nbytes:>10} B  median {med * 1e3:9.3f} ms  {row['gbps']:.3f} GB/s")
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    log(f"objects {impl:<18} {nbytes:>10} B  ERROR {row['error']}")
+                rows.append(row)
+        rdt.destroy_collective_group(group)
+    finally:
+        for actor in (a, b):
+            ray.kill(actor)
+    return rows
+
+
+def object_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The object-layer targets of the project, where both sides were measured."""
+    idx = {(r["impl"], r["size"]): r for r in rows if r.get("suite") == "objects" and "error" not in r}
+    out: List[Dict[str, Any]] = []
+
+    def ratio(desc: str, impl: str, base: str, size: int, need: float, inverse: bool = False) -> None:
+        x, y = idx.get((impl, size)), idx.get((base, size))
+        if x is None or y is None:
+            return
+        r = (x["seconds"] / y["seconds"]) if inverse else (y["seconds"] / x["seconds"])
+        rb = (x["seconds_best"] / y["seconds_best"]) if inverse else (y["seconds_best"] / x["seconds_best"])
+        met: Callable[[float], bool] = (lambda v: v <= need) if inverse else (lambda v: v >= need)
+        out.append({"target": desc, "ratio": round(r, 3), "ratio_best": round(rb, 3), "required": need,
+                    "met": met(r), "met_best": met(rb), "inverse": inverse})
+
+    big, small = 128 << 20, 4 << 10
+    ratio("objects 128 MiB rdt-gloo >= 2x Ray RDT gloo", "rdt-gloo", "ray-rdt-gloo", big, 2.0)
+    ratio("objects 128 MiB rdt-shm >= 5x Ray RDT gloo", "rdt-shm", "ray-rdt-gloo", big, 5.0)
+    ratio("objects 4 KiB rdt-gloo round trip <= 1.3x object store", "rdt-gloo", "ray-objstore", small, 1.3, True)
+    for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl"):
+        r = idx.get((impl, big))
+        if r is not None and "rss_peak_over_idle_bytes" in r:
+            worst = max(r["rss_peak_over_idle_bytes"]) / big
+            out.append({"target": f"objects 128 MiB {impl} peak RSS over idle <= 2x tensor (each side)",
+                        "ratio": round(worst, 3), "ratio_best": round(worst, 3), "required": 2.0,
+                        "met": worst <= 2.0, "met_best": worst <= 2.0, "inverse": True})
+    return out
