@@ -62,18 +62,20 @@ class _TokenPool:
 
 
 class Stats:
-    """Counters per transport: transfers in/out and bytes; thread-safe."""
+    """Counters per transport: transfers in/out and bytes (thread-safe), mirrored to Ray metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Any) -> None:
         self._lock = threading.Lock()
+        self._metrics = metrics
         self.data: Dict[str, Dict[str, int]] = collections.defaultdict(
             lambda: {"in": 0, "in_bytes": 0, "out": 0, "out_bytes": 0})
 
-    def add(self, transport: str, direction: str, nbytes: int) -> None:
+    def add(self, transport: str, direction: str, nbytes: int, seconds: Optional[float] = None) -> None:
         with self._lock:
             d = self.data[transport]
             d[direction] += 1
             d[direction + "_bytes"] += nbytes
+        self._metrics.transfer(transport, direction, nbytes, seconds)
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         with self._lock:
@@ -87,8 +89,10 @@ class RdtContext:
         self.config = RdtConfig.from_env()
         self.instance = secrets.token_bytes(8)
         self.process_key = secrets.token_bytes(32)
+        self.metrics = get_transport_context().metrics
         self.table = ObjectTable(self._release)
-        self.stats = Stats()
+        self.table.on_change = self.metrics.held
+        self.stats = Stats(self.metrics)
         self.client = _control.ControlClient()
         self._lock = threading.Lock()
         self._server: Optional[_control.ControlServer] = None
@@ -162,7 +166,8 @@ class RdtContext:
             return base
 
     # ------------------------------------------------------------------ producer role
-    def produce(self, value: Any, transport: str, *, snapshot: bool = False, timeout: Optional[float] = None) -> Any:
+    def produce(self, value: Any, transport: str, *, snapshot: bool = False, timeout: Optional[float] = None,
+                ipc_map: bool = False) -> Any:
         """Keep ``value``'s tensors here and return the metadata that stands for it."""
         flat = flatten(value)
         if not flat.specs:
@@ -190,13 +195,14 @@ class RdtContext:
             nixl = _nixl_objects.register(self, entry)
         elif transport == "object_store":
             store_ref = ray.put([b.cpu() for b in flat.buffers])
+        cuda_ipc = _export_cuda_ipc(entry, transport, ipc_map)
         self.table.add(entry)
         token = self.tokens().take()
         core = ray._private.worker.global_worker.core_worker
         if not core.add_object_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
             logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", obj_id.hex())
         return ObjectMeta(obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
-                          tuple(self.groups()), token, None, shm, nixl, store_ref, timeout)
+                          tuple(self.groups()), token, None, shm, nixl, store_ref, timeout, cuda_ipc)
 
     def _on_out_of_scope(self, obj_id: bytes) -> None:
         # Runs on Ray's callback thread: must be quick. Dropping the entry releases the tensors.
@@ -212,6 +218,10 @@ class RdtContext:
             from . import _nixl_objects
 
             _nixl_objects.release(self, entry)
+        if getattr(entry, "cuda_ipc", None) is not None:
+            from . import _cuda_ipc
+
+            _cuda_ipc.release(entry.cuda_ipc)
 
     # ------------------------------------------------------------------ control-plane handlers
     def _key_for(self, key_id: int, payload: bytes) -> Optional[bytes]:
@@ -303,6 +313,22 @@ def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: floa
             logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
             return
     del keepalive
+
+
+def _export_cuda_ipc(entry: Entry, transport: str, ipc_map: bool) -> Optional[Any]:
+    """CUDA IPC handles for an object's GPU buffers: always for "cuda_ipc", and for "auto" when all are CUDA."""
+    bufs = entry.buffers
+    if transport not in ("cuda_ipc", "auto") or not bufs or any(b.device.type != "cuda" for b in bufs):
+        return None
+    from . import _cuda_ipc
+
+    if transport == "cuda_ipc":
+        return _cuda_ipc.export(entry, ipc_map)
+    try:  # auto: an extra path, never a reason to fail the return
+        return _cuda_ipc.export(entry, ipc_map)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("rdt: no CUDA IPC export for %s: %s", entry.obj_id.hex(), e)
+        return None
 
 
 def _check_transport_devices(flat: Any, transport: str) -> None:

@@ -8,19 +8,21 @@ group, e.g. the driver). Within one task, the same object passed twice is fetche
 
 from __future__ import annotations
 
+import logging
 import struct
+import threading
 import time
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 import torch
 
 from rdt_transports._context import get_context as get_transport_context
-from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, UnsupportedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from . import _control, _nixl_objects, _shm
+from . import _control, _cuda_ipc, _nixl_objects, _shm
 from ._flatten import leaf_from_buffer, unflatten
 from ._meta import GroupRef, ObjectMeta
 from .errors import (
@@ -30,6 +32,9 @@ from .errors import (
     ProducerDiedError,
     TransferTimeoutError,
 )
+
+
+logger = logging.getLogger("rdt")
 
 
 def resolve(ctx: Any, meta: ObjectMeta) -> Any:
@@ -42,7 +47,8 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
         if leaves is not None:
             return unflatten(meta.skeleton, leaves)
         if meta.inline is None:
-            raise ObjectFreedError(f"{meta.describe()} was already freed in its producer", object_id=meta.id_hex)
+            raise ObjectFreedError(f"{meta.describe()} was already freed in its producer", object_id=meta.id_hex,
+                                   hint="keep a reference to the ObjectRef until every consumer has run")
     task_id = _task_id()
     key = (task_id, meta.obj_id)
     if task_id is not None:
@@ -53,9 +59,14 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
                 return unflatten(meta.skeleton, leaves)
     start = time.monotonic()
     buffers, path = fetch_buffers(ctx, meta)
-    ctx.stats.add(path, "in", meta.nbytes)
-    ctx.last_fetch = (path, time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    ctx.stats.add(path, "in", meta.nbytes, elapsed)
+    ctx.last_fetch = (path, elapsed)
+    logger.debug("rdt: fetched object=%s producer=%s transport=%s bytes=%d in %.4fs", meta.id_hex,
+                 meta.producer.actor_id[:12], path, meta.nbytes, elapsed)
     leaves = [leaf_from_buffer(s, buffers) for s in meta.specs]
+    if path == "cuda_ipc" and meta.cuda_ipc is not None and meta.cuda_ipc.map:
+        _cuda_ipc.keep_alive(leaves, meta.token)  # mapped views keep the producer's memory alive
     if task_id is not None and len(meta.specs):
         _remember(ctx, key, leaves)
     return unflatten(meta.skeleton, leaves)
@@ -105,10 +116,37 @@ def _common_group(meta: ObjectMeta, backends: Tuple[str, ...]) -> Optional[Tuple
     return None
 
 
+def _is_cuda(meta: ObjectMeta) -> bool:
+    return bool(meta.buffers) and all(b.device.startswith("cuda") for b in meta.buffers)
+
+
+def _consumer_device(meta: ObjectMeta) -> torch.device:
+    """Where received buffers go: GPU objects onto this process's current CUDA device when it has one, else CPU."""
+    if any(b.device.startswith("cuda") for b in meta.buffers):
+        dev = _cuda_ipc.target_device()
+        if dev is not None:
+            return dev
+    return torch.device("cpu")
+
+
 def choose_path(meta: ObjectMeta) -> str:
-    """For transport 'auto': same node -> shm, group peer -> its backend, NIXL, else the object store."""
+    """For transport 'auto'.
+
+    CPU objects: same node -> shm, group peer -> its backend, NIXL, else the object store.
+    GPU objects: same node and the producer's GPU visible -> CUDA IPC, NIXL, a common nccl group, else the object
+    store (through host memory).
+    """
+    same_node = meta.producer.node_id == _node_id()
+    if _is_cuda(meta):
+        if same_node and _cuda_ipc.can_open(getattr(meta, "cuda_ipc", None)):
+            return "cuda_ipc"
+        if meta.producer.nixl and _nixl_objects.available():
+            return "nixl"
+        if _common_group(meta, ("nccl",)) is not None:
+            return "nccl"
+        return "object_store"
     cpu = all(b.device == "cpu" for b in meta.buffers)
-    if cpu and meta.producer.node_id == _node_id():
+    if cpu and same_node:
         return "shm"
     common = _common_group(meta, ("gloo", "nccl", "ucx"))
     if common is not None:
@@ -127,7 +165,11 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
     path = meta.transport if meta.transport != "auto" else choose_path(meta)
     if path == "shm" and meta.producer.node_id != _node_id():
         path = "object_store"  # shared memory cannot cross nodes
+    if path == "cuda_ipc":
+        path = _check_cuda_ipc(meta)
     try:
+        if path == "cuda_ipc":
+            return _cuda_ipc.fetch(meta.cuda_ipc), "cuda_ipc"
         if path == "shm":
             return _fetch_shm(ctx, meta, timeout), "shm"
         if path in ("gloo", "nccl", "ucx"):
@@ -146,9 +188,11 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
         if path == "nixl":
             return _fetch_nixl(ctx, meta, timeout), "nixl"
         if path == "object_store" and meta.store_ref is not None:
-            return _get(meta, [meta.store_ref], timeout)[0], "object_store"
+            bufs = _get(meta, [meta.store_ref], timeout)[0]
+            device = _consumer_device(meta)
+            return ([b.to(device) for b in bufs] if device.type != "cpu" else bufs), "object_store"
         return _fetch_object_store(ctx, meta, timeout), "object_store"
-    except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError):
+    except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
         raise
     except TimeoutError as e:
         raise TransferTimeoutError(
@@ -161,6 +205,30 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
             raise _died(meta, e) from e
         raise ObjectFetchError(f"fetching {meta.describe()} over {path} failed: {type(e).__name__}: {e}",
                                object_id=meta.id_hex) from e
+
+
+def _check_cuda_ipc(meta: ObjectMeta) -> str:
+    """'cuda_ipc' when this process can open the object's handles; the object store for non-actors (the driver);
+    otherwise a clear error before anything moves."""
+    info = getattr(meta, "cuda_ipc", None)
+    why = None
+    if meta.producer.node_id != _node_id():
+        why = "the producer is on another node (CUDA IPC works within one node)"
+    elif info is None:
+        why = "the producer exported no CUDA IPC handles"
+    elif _cuda_ipc.target_device() is None and not info.map:
+        why = "this process has no CUDA device"
+    elif not _cuda_ipc.can_open(info):
+        why = f"the producer's GPU ({', '.join(info.uuids())}) is not visible in this process"
+    if why is None:
+        return "cuda_ipc"
+    if not _in_actor():
+        return "object_store"  # the driver (or a task): through host memory
+    raise UnsupportedError(
+        f"{meta.describe()} uses transport 'cuda_ipc' but {why}", object_id=meta.id_hex,
+        hint="give both actors the same GPU (e.g. num_gpus=0.5 each) on one node, or use tensor_transport='nccl', "
+        "'nixl' or 'auto'",
+    )
 
 
 def _producer_alive(ctx: Any, meta: ObjectMeta) -> bool:
@@ -215,18 +283,40 @@ def _fetch_shm(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]
         return _shm.map_segment(seg.name, seg.layout)
     except FileNotFoundError as e:
         if _producer_alive(ctx, meta):
-            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched", object_id=meta.id_hex) from e
+            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched", object_id=meta.id_hex,
+                                   hint="keep a reference to the ObjectRef until every consumer has run") from e
         raise _died(meta, e) from e
 
 
+_ordered_locks: Dict[Tuple[str, int], threading.Lock] = {}
+_ordered_guard = threading.Lock()
+
+
 def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, timeout: float) -> List[torch.Tensor]:
+    if group.backend_name != "nccl":
+        return _fetch_group_unordered(ctx, meta, group, ref, timeout)
+    # NCCL matches a direction's sends and receives in issue order, not by tag: one fetch at a time per
+    # producer, so the producer posts its sends in the order this process posts its receives.
+    with _ordered_guard:
+        lock = _ordered_locks.setdefault((group.uid, ref.rank), threading.Lock())
+    if not lock.acquire(timeout=timeout):
+        raise TimeoutError(f"waited {timeout:.1f}s for an earlier NCCL fetch from the same producer")
+    try:
+        return _fetch_group_unordered(ctx, meta, group, ref, timeout)
+    finally:
+        lock.release()
+
+
+def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef,
+                           timeout: float) -> List[torch.Tensor]:
     n = len(meta.buffers)
     tag_base = ctx.next_tags(group.uid, n)
     payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
     deadline = time.monotonic() + timeout
     _control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                      payload, timeout)
-    bufs = [torch.empty(b.nbytes, dtype=torch.uint8) for b in meta.buffers]
+    device = _consumer_device(meta)
+    bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
         for w in works:
@@ -253,7 +343,8 @@ def _fetch_nixl(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor
                                 meta.producer.process_key, meta.obj_id, timeout)
         info = _nixl_objects.decode_info(resp)
     try:
-        return _nixl_objects.fetch(ctx, info, torch.device("cpu"), timeout)
+        device = _consumer_device(meta) if info.mem_type == "VRAM" else torch.device("cpu")
+        return _nixl_objects.fetch(ctx, info, device, timeout)
     except TimeoutError:
         if not _producer_alive(ctx, meta):
             raise _died(meta, TimeoutError("NIXL READ timed out")) from None
@@ -296,7 +387,10 @@ def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torc
         cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
         if isinstance(cause, ObjectFreedError) or "ObjectFreedError" in str(e):
             raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched",
-                                   object_id=meta.id_hex) from e
+                                   object_id=meta.id_hex,
+                                   hint="keep a reference to the ObjectRef until every consumer has run") from e
         raise ObjectFetchError(f"fetching {meta.describe()} through the object store failed: {e}",
                                object_id=meta.id_hex) from e
-    return [b if b.is_contiguous() else b.contiguous() for b in bufs]
+    bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
+    device = _consumer_device(meta)  # GPU objects: onto this process's GPU if it has one, else stay on CPU
+    return [b.to(device) for b in bufs] if device.type != "cpu" else bufs

@@ -54,6 +54,7 @@ class ObjectMeta:
     nixl: Optional[Any] = None  # NIXL descriptors, registered at return time for transport "nixl"
     store_ref: Optional[Any] = None  # ObjectRef of the buffers, for transport "object_store"
     timeout: Optional[float] = None  # producer-chosen transfer timeout
+    cuda_ipc: Optional[Any] = None  # _cuda_ipc.CudaIpcInfo: IPC handles of GPU buffers, exported at return time
 
     @property
     def id_hex(self) -> str:
@@ -80,6 +81,13 @@ def _rebuild(state: dict) -> Any:
     try:
         return get_context().resolve(meta)
     except RdtError as err:
+        import logging
+
+        ctx = get_context()
+        ctx.metrics.transfer_error(meta.transport, type(err).__name__)
+        logging.getLogger("rdt").warning(
+            "rdt: fetching object=%s producer=%s (pid %d) transport=%s failed: %s: %s", meta.id_hex,
+            meta.producer.actor_id[:12] or "driver", meta.producer.pid, meta.transport, type(err).__name__, err)
         # Raised here, Ray would hide it inside a RaySystemError. Returned as a RayTaskError value, Ray raises it
         # (task argument or ray.get alike) and the caller can catch our typed error itself.
         return _as_ray_error(err)

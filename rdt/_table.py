@@ -46,6 +46,8 @@ class ObjectTable:
         self._lock = threading.Lock()
         self._release = release
         self.freed = 0
+        self._bytes = 0
+        self.on_change: Optional[Callable[[int, int], None]] = None  # (objects, bytes) -> None, e.g. a gauge
 
     def add_weak(self, obj_id: bytes, leaves: List[Any]) -> None:
         import weakref
@@ -76,6 +78,10 @@ class ObjectTable:
     def add(self, entry: Entry) -> None:
         with self._lock:
             self._entries[entry.obj_id] = entry
+            self._bytes += entry.nbytes
+            n, b = len(self._entries), self._bytes
+        if self.on_change is not None:
+            self.on_change(n, b)
 
     def get(self, obj_id: bytes) -> Optional[Entry]:
         with self._lock:
@@ -86,6 +92,10 @@ class ObjectTable:
             entry = self._entries.pop(obj_id, None)
             if entry is not None:
                 self.freed += 1
+                self._bytes -= entry.nbytes
+            n, b = len(self._entries), self._bytes
+        if entry is not None and self.on_change is not None:
+            self.on_change(n, b)
         return entry
 
     def free(self, obj_id: bytes) -> None:
@@ -99,7 +109,7 @@ class ObjectTable:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._bytes
 
     def entries(self) -> List[Entry]:
         with self._lock:
@@ -109,5 +119,6 @@ class ObjectTable:
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
+            self._bytes = 0
         for e in entries:
             self._release(e)

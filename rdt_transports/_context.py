@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
 from .backends import BackendConfig, backend_class
 from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError, RdtError
+from ._metrics import Metrics
 from .group import CollectiveGroup
 
 _INCARNATION_WAIT_POLL = 0.01
@@ -21,6 +22,7 @@ class ProcessContext:
     def __init__(self) -> None:
         self._groups: Dict[str, CollectiveGroup] = {}
         self._lock = threading.RLock()
+        self.metrics = Metrics()
 
     def names(self) -> List[str]:
         with self._lock:
@@ -90,6 +92,7 @@ class ProcessContext:
                     delete_incarnation(group_name, record)
 
             group = CollectiveGroup(group_name, uid, impl, timeout, on_destroy, members)
+            group.metrics = self.metrics
         except BaseException:
             with self._lock:
                 self._groups.pop(group_name, None)
@@ -113,14 +116,16 @@ def _my_actor_id() -> str:
 
 def _check_membership(world_size: object, rank: object, group_name: object) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}", group=str(group_name))
+        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}", group=str(group_name),
+                                   hint="pass the number of ranks in the group, e.g. world_size=2")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidArgumentError(
             f"rank {rank!r} is out of range for world_size {world_size}", group=str(group_name),
             hint=f"use a rank in 0..{world_size - 1}",
         )
     if not isinstance(group_name, str) or not group_name:
-        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
+        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}",
+                                   hint="pass a name such as group_name='workers'")
 
 
 def _agree_on_incarnation(world_size: int, rank: int, backend: str, group_name: str, timeout: float):

@@ -51,11 +51,18 @@ def make_tag(kind: int, payload: int) -> int:
 class _OpChannel(algorithms.P2P):
     """The p2p view algorithms use for one collective call: step numbers become unique tags, waits share a deadline."""
 
-    def __init__(self, group: "CollectiveGroup", seq: int, deadline: float, op: str) -> None:
+    def __init__(self, group: "CollectiveGroup", seq: int, deadline: float, op: str,
+                 device: Optional[torch.device] = None) -> None:
         self._group = group
         self._backend = group.backend
         self.rank = group.rank
         self.world_size = group.world_size
+        # Where algorithms put scratch and barrier tokens: the op's tensors' device, else the backend's own
+        # device for GPU-only backends (an int index, e.g. nccl), else CPU.
+        if device is None and "cpu" not in self._backend.capabilities.devices:
+            index = getattr(self._backend, "device", None)
+            device = torch.device("cuda", index) if isinstance(index, int) else None
+        self.device = device
         self._base = (seq & _SEQ_MASK) << _STEP_BITS
         self._deadline = deadline
         self._op = op
@@ -96,6 +103,7 @@ class CollectiveGroup:
         self._recv_seq: Dict[int, itertools.count] = {}
         self._on_destroy = on_destroy
         self.stats: Dict[str, float] = {"ops": 0, "bytes": 0, "errors": 0}
+        self.metrics: Optional[Any] = None  # rdt_transports._metrics.Metrics, set by the process context
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -178,7 +186,8 @@ class CollectiveGroup:
     def _tensors(self, xs: Sequence[Any], what: str, op: str, ref: torch.Tensor, n: Optional[int] = None) -> List[torch.Tensor]:
         if not isinstance(xs, (list, tuple)):
             raise InvalidArgumentError(
-                f"{what} must be a list of tensors, got {type(xs).__name__}", group=self.name, rank=self.rank, op=op
+                f"{what} must be a list of tensors, got {type(xs).__name__}", group=self.name, rank=self.rank, op=op,
+                hint=f"pass a list of world_size ({self.world_size}) tensors",
             )
         n = self.world_size if n is None else n
         if len(xs) != n:
@@ -204,7 +213,8 @@ class CollectiveGroup:
     def _check_op(self, reduce_op: Any, dtype: torch.dtype, op: str) -> ReduceOp:
         if not isinstance(reduce_op, ReduceOp):
             raise InvalidArgumentError(
-                f"op must be a rdt_transports.ReduceOp, got {reduce_op!r}", group=self.name, rank=self.rank, op=op
+                f"op must be a rdt_transports.ReduceOp, got {reduce_op!r}", group=self.name, rank=self.rank, op=op,
+                hint="pass e.g. rdt_transports.ReduceOp.SUM (SUM, PRODUCT, MIN, MAX or AVG)",
             )
         if reduce_op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
             raise UnsupportedError(
@@ -237,9 +247,14 @@ class CollectiveGroup:
         """Run ``fn(deadline)`` with lifecycle checks and typed errors."""
         self._check_usable(op)
         seconds = to_seconds(timeout, self.timeout)
-        deadline = time.monotonic() + seconds
+        start = time.monotonic()
+        deadline = start + seconds
         try:
-            fn(deadline)
+            try:
+                fn(deadline)
+            except BaseException as e:
+                self._record(op, nbytes, start, e, peer)
+                raise
         except RdtError as e:
             dead: List[int] = []
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
@@ -268,9 +283,19 @@ class CollectiveGroup:
             raise GroupDestroyedError("group was aborted during the call", group=self.name, rank=self.rank, op=op)
         self.stats["ops"] += 1
         self.stats["bytes"] += nbytes
+        self._record(op, nbytes, start, None, peer)
 
-    def _channel(self, op: str, deadline: float) -> _OpChannel:
-        return _OpChannel(self, next(self._seq), deadline, op)
+    def _record(self, op: str, nbytes: int, start: float, error: Optional[BaseException], peer: Optional[int]) -> None:
+        """Metrics for one call, and a log line with its context when it failed."""
+        if self.metrics is not None:
+            self.metrics.op(self.backend_name, op, nbytes, time.monotonic() - start, error is None)
+        if error is not None:
+            logger.warning("rdt_transports: group=%s backend=%s rank=%d peer=%s op=%s failed after %.3fs: %s: %s",
+                           self.name, self.backend_name, self.rank, peer, op, time.monotonic() - start,
+                           type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
+
+    def _channel(self, op: str, deadline: float, device: Optional[torch.device] = None) -> _OpChannel:
+        return _OpChannel(self, next(self._seq), deadline, op, device)
 
     def _native(self, name: str, deadline: float, **kw: Any) -> None:
         native = self.backend.native()
@@ -352,7 +377,7 @@ class CollectiveGroup:
             if algo == "native":
                 self._native(name, deadline, **kw)
             else:
-                algorithms.run(name, algo, self._channel(name, deadline), **kw)
+                algorithms.run(name, algo, self._channel(name, deadline, _device_of(kw)), **kw)
 
         self._run(name, timeout, body, nbytes)
 
@@ -413,7 +438,8 @@ class CollectiveGroup:
                  timeout: Timeout = None) -> None:
         if not isinstance(input_list, (list, tuple)) or not input_list:
             raise InvalidArgumentError("input_list must be a non-empty list of tensors", group=self.name,
-                                       rank=self.rank, op="alltoall")
+                                       rank=self.rank, op="alltoall",
+                                       hint=f"pass a list of world_size ({self.world_size}) tensors")
         ref = self._tensor(input_list[0], "input_list[0]", "alltoall")
         ins = self._tensors(input_list, "input_list", "alltoall", ref)
         outs = self._tensors(output_list, "output_list", "alltoall", ref)
@@ -452,6 +478,15 @@ def _read_members(group: "CollectiveGroup") -> List[str]:
             value = None
         out.append(value.decode() if value else "")
     return out
+
+
+def _device_of(kw: Dict[str, Any]) -> Optional[torch.device]:
+    """The device of a collective's tensors (the first tensor found in its keyword arguments)."""
+    for v in kw.values():
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None
 
 
 def _left(deadline: float) -> float:

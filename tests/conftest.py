@@ -11,6 +11,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # metrics reach Prometheus quickly in tests
 
 import pytest  # noqa: E402
 
@@ -25,6 +26,14 @@ HAS_NIXL = _has_module("nixl_cu13") or _has_module("nixl") or _has_module("nixl_
 HAS_UCXX = _has_module("ucxx")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_local_ray() -> None:
     """Start the shared local cluster (small explicit resources, loopback) if it is not running."""
     import ray
@@ -32,6 +41,7 @@ def start_local_ray() -> None:
     if ray.is_initialized():
         return
     ray.init(num_cpus=16, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
+             _metrics_export_port=_free_port(),
              runtime_env={"env_vars": {k: os.environ[k] for k in
                                        ("GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "UCX_WARN_UNUSED_ENV_VARS",
                                         "NIXL_LOG_LEVEL")}})

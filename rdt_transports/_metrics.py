@@ -1,0 +1,112 @@
+"""Transfer and collective metrics through ``ray.util.metrics``, so they show on the Ray dashboard and Prometheus.
+
+One :class:`Metrics` per process (held by the process context). Metric objects are made on first use; outside a
+Ray worker every call is a no-op. Names (Prometheus adds Ray's ``ray_`` prefix):
+
+==================================  =========  ======================================================
+rdt_transfers_total                 counter    object transfers, by transport and direction (in/out)
+rdt_transfer_bytes_total            counter    bytes of object transfers, by transport and direction
+rdt_transfer_latency_seconds        histogram  consumer-side fetch time, by transport
+rdt_transfer_errors_total           counter    failed fetches, by transport and error type
+rdt_objects_held / rdt_bytes_held   gauge      objects and bytes in this process's object table
+rdt_collective_ops_total            counter    collective / p2p calls, by backend, op and status
+rdt_collective_bytes_total          counter    bytes per call, by backend and op
+rdt_collective_latency_seconds      histogram  call duration, by backend and op
+==================================  =========  ======================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Dict, Optional
+
+logger = logging.getLogger("rdt_transports")
+
+_BOUNDARIES = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0]
+
+
+class Metrics:
+    """Lazily created Ray metrics; thread-safe; never raises into the caller."""
+
+    def __init__(self) -> None:
+        self._m: Optional[Dict[str, Any]] = None
+        self._lock = threading.Lock()
+        self._disabled = False
+
+    def _get(self) -> Optional[Dict[str, Any]]:
+        if self._m is not None or self._disabled:
+            return self._m
+        with self._lock:
+            if self._m is not None or self._disabled:
+                return self._m
+            try:
+                import ray
+                from ray.util.metrics import Counter, Gauge, Histogram
+
+                if not ray.is_initialized():
+                    return None
+                t, td, b = ("transport",), ("transport", "direction"), ("backend", "op")
+                self._m = {
+                    "transfers": Counter("rdt_transfers_total", "rdt object transfers", tag_keys=td),
+                    "transfer_bytes": Counter("rdt_transfer_bytes_total", "bytes of rdt object transfers",
+                                              tag_keys=td),
+                    "transfer_latency": Histogram("rdt_transfer_latency_seconds", "rdt fetch time",
+                                                  boundaries=_BOUNDARIES, tag_keys=t),
+                    "transfer_errors": Counter("rdt_transfer_errors_total", "failed rdt fetches",
+                                               tag_keys=("transport", "error")),
+                    "objects": Gauge("rdt_objects_held", "objects in this process's rdt object table"),
+                    "bytes": Gauge("rdt_bytes_held", "bytes in this process's rdt object table"),
+                    "ops": Counter("rdt_collective_ops_total", "rdt_transports calls",
+                                   tag_keys=("backend", "op", "status")),
+                    "op_bytes": Counter("rdt_collective_bytes_total", "bytes per rdt_transports call", tag_keys=b),
+                    "op_latency": Histogram("rdt_collective_latency_seconds", "rdt_transports call time",
+                                            boundaries=_BOUNDARIES, tag_keys=b),
+                }
+            except Exception:  # metrics must never break data movement
+                logger.debug("rdt metrics unavailable", exc_info=True)
+                self._disabled = True
+        return self._m
+
+    def transfer(self, transport: str, direction: str, nbytes: int, seconds: Optional[float] = None) -> None:
+        m = self._get()
+        if m is None:
+            return
+        try:
+            tags = {"transport": transport, "direction": direction}
+            m["transfers"].inc(1, tags=tags)
+            m["transfer_bytes"].inc(max(nbytes, 0), tags=tags)
+            if seconds is not None:
+                m["transfer_latency"].observe(seconds, tags={"transport": transport})
+        except Exception:
+            logger.debug("rdt metrics: transfer not recorded", exc_info=True)
+
+    def transfer_error(self, transport: str, error: str) -> None:
+        m = self._get()
+        if m is not None:
+            try:
+                m["transfer_errors"].inc(1, tags={"transport": transport, "error": error})
+            except Exception:
+                logger.debug("rdt metrics: error not recorded", exc_info=True)
+
+    def held(self, objects: int, nbytes: int) -> None:
+        m = self._get()
+        if m is not None:
+            try:
+                m["objects"].set(objects)
+                m["bytes"].set(nbytes)
+            except Exception:
+                logger.debug("rdt metrics: gauge not set", exc_info=True)
+
+    def op(self, backend: str, op: str, nbytes: int, seconds: float, ok: bool) -> None:
+        m = self._get()
+        if m is None:
+            return
+        try:
+            m["ops"].inc(1, tags={"backend": backend, "op": op, "status": "ok" if ok else "error"})
+            if ok:
+                tags = {"backend": backend, "op": op}
+                m["op_bytes"].inc(max(nbytes, 0), tags=tags)
+                m["op_latency"].observe(seconds, tags=tags)
+        except Exception:
+            logger.debug("rdt metrics: op not recorded", exc_info=True)

@@ -1,0 +1,103 @@
+"""Metrics reach Ray's Prometheus endpoint, and failure log lines carry group, rank, peer, op and object."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import urllib.request
+
+import pytest
+import ray
+import torch
+
+import rdt
+import rdt_transports as rt
+
+from ._object_actors import Node
+from .conftest import wait_for
+
+
+@ray.remote(num_cpus=0)
+class Member:
+    def allreduce(self, name: str) -> float:
+        t = torch.ones(1024)
+        rt.allreduce(t, name)
+        return float(t[0])
+
+    def lonely_recv(self, name: str) -> str:
+        try:
+            rt.recv(torch.zeros(4), 1, name, timeout=0.5)
+        except rt.CollectiveTimeoutError as e:
+            return type(e).__name__
+        return "no error"
+
+
+def _scrape() -> str:
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def actors(ray_cluster):
+    p, c = Node.remote(), Node.remote()
+    m = [Member.remote() for _ in range(2)]
+    group = rdt.create_collective_group([p, c], backend="gloo")
+    handle = rt.create_collective_group(m, backend="gloo", group_name="obs-g")
+    yield p, c, m
+    rdt.destroy_collective_group(group)
+    handle.destroy()
+    for a in (p, c, *m):
+        ray.kill(a)
+
+
+def test_transfer_and_collective_metrics_reach_prometheus(actors):
+    p, c, m = actors
+    refs = [p.make_gloo.remote(1 << 16, 1.0) for _ in range(3)] + [p.make_shm.remote(1 << 16, 1.0)]
+    assert ray.get([c.total.remote(r) for r in refs]) == [float(1 << 16)] * 4
+    assert ray.get([a.allreduce.remote("obs-g") for a in m]) == [2.0, 2.0]
+
+    def ready() -> str:
+        text = _scrape()
+        ok = (_value(text, "ray_rdt_transfers_total", transport="gloo", direction="in") >= 3
+              and _value(text, "ray_rdt_transfers_total", transport="gloo", direction="out") >= 3
+              and _value(text, "ray_rdt_collective_ops_total", backend="gloo", op="allreduce", status="ok") >= 2)
+        return text if ok else ""
+
+    text = wait_for(ready, timeout=60, interval=1.0)
+    assert text, "metrics did not reach the Prometheus endpoint"
+    assert _value(text, "ray_rdt_transfer_bytes_total", transport="gloo", direction="in") >= 3 * 4 * (1 << 16)
+    assert _value(text, "ray_rdt_transfers_total", transport="shm", direction="in") >= 1
+    assert "ray_rdt_transfer_latency_seconds_bucket" in text
+    assert "ray_rdt_collective_latency_seconds_bucket" in text
+    assert re.search(r"^ray_rdt_objects_held\{", text, re.M) and re.search(r"^ray_rdt_bytes_held\{", text, re.M)
+    del refs
+
+
+def test_failure_log_line_names_group_rank_peer_op(actors):
+    _, _, m = actors
+    assert ray.get(m[0].lonely_recv.remote("obs-g")) == "CollectiveTimeoutError"
+    logs = os.path.join(ray._private.worker.global_worker.node.get_logs_dir_path(), "worker-*.err")
+    pattern = "rdt_transports: group=obs-g backend=gloo rank=0 peer=1 op=recv failed"
+
+    def logged() -> bool:
+        for path in glob.glob(logs):
+            with open(path, errors="replace") as f:
+                if pattern in f.read():
+                    return True
+        return False
+
+    assert wait_for(logged, timeout=30), f"no log line {pattern!r} in {logs}"
+    text = wait_for(lambda: (lambda t: t if _value(t, "ray_rdt_collective_ops_total", backend="gloo", op="recv",
+                                                   status="error") >= 1 else "")(_scrape()), timeout=60, interval=1.0)
+    assert text, "the failed op was not counted"
