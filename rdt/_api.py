@@ -15,14 +15,15 @@ def create_collective_group(actors: Sequence[Any], backend: str = "gloo", name: 
                             timeout: float = rdt_transports.DEFAULT_TIMEOUT_S) -> GroupHandle:
     """Put ``actors`` in a collective group so refs between them move over ``backend``; returns its handle."""
     return rdt_transports.create_collective_group(
-        list(actors), backend=backend, group_name=name or f"rdt-{uuid.uuid4().hex[:12]}", timeout=timeout
+        actors, backend=backend, group_name=name or f"rdt-{uuid.uuid4().hex[:12]}", timeout=timeout
     )
 
 
 def destroy_collective_group(group: GroupHandle, *, timeout: float = rdt_transports.DEFAULT_TIMEOUT_S) -> None:
     """Destroy a group made by :func:`create_collective_group` on all its live members."""
     if not isinstance(group, GroupHandle):
-        raise InvalidArgumentError(f"expected the handle create_collective_group returned, got {group!r}")
+        raise InvalidArgumentError(f"expected the handle create_collective_group returned, got {group!r}",
+                                   hint="pass the GroupHandle that rdt.create_collective_group returned")
     group.destroy(timeout=timeout)
 
 
@@ -48,6 +49,9 @@ def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
         return _local_stats()
     import ray
 
+    if not isinstance(actor, ray.actor.ActorHandle):
+        raise InvalidArgumentError(f"stats() takes an actor handle or None, got {type(actor).__name__}",
+                                   hint="pass a handle returned by Cls.remote(), or nothing for this process")
     return ray.get(actor.__ray_call__.remote(_local_stats), timeout=timeout)
 
 
@@ -58,11 +62,14 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
     ctx = get_context()
     changes: Dict[str, Any] = {}
     if transfer_timeout is not None:
-        if not transfer_timeout > 0:
-            raise InvalidArgumentError(f"transfer_timeout must be > 0, got {transfer_timeout!r}")
+        if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, (int, float)) \
+                or not transfer_timeout > 0:
+            raise InvalidArgumentError(f"transfer_timeout must be a number of seconds > 0, got {transfer_timeout!r}",
+                                       hint="pass e.g. rdt.configure(transfer_timeout=120.0)")
         changes["transfer_timeout"] = float(transfer_timeout)
     if inline_threshold is not None:
-        if inline_threshold < 0:
-            raise InvalidArgumentError(f"inline_threshold must be >= 0, got {inline_threshold!r}")
+        if isinstance(inline_threshold, bool) or not isinstance(inline_threshold, int) or inline_threshold < 0:
+            raise InvalidArgumentError(f"inline_threshold must be an int >= 0 (bytes), got {inline_threshold!r}",
+                                       hint="pass e.g. rdt.configure(inline_threshold=0) to never inline")
         changes["inline_threshold"] = int(inline_threshold)
     ctx.config = ctx.config.updated(**changes)

@@ -22,17 +22,20 @@ def _check_transport(transport: Any) -> str:
 
 def _check_timeout(timeout: Optional[float]) -> Optional[float]:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                                   hint="pass e.g. timeout=30.0, or None for the consumer's transfer_timeout")
     return None if timeout is None else float(timeout)
 
 
-def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int) -> Any:
+def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int,
+             ipc_map: bool = False) -> Any:
     from ._context import get_context
 
     ctx = get_context()
+    extra = {"ipc_map": True} if ipc_map else {}
     if num_returns > 1 and isinstance(value, (tuple, list)) and len(value) == num_returns:
-        return type(value)(ctx.produce(v, transport, snapshot=snapshot, timeout=timeout) for v in value)
-    return ctx.produce(value, transport, snapshot=snapshot, timeout=timeout)
+        return type(value)(ctx.produce(v, transport, snapshot=snapshot, timeout=timeout, **extra) for v in value)
+    return ctx.produce(value, transport, snapshot=snapshot, timeout=timeout, **extra)
 
 
 def tensor_method(
@@ -41,6 +44,7 @@ def tensor_method(
     snapshot: bool = False,
     timeout: Optional[float] = None,
     num_returns: Optional[int] = None,
+    ipc_map: bool = False,
 ) -> Callable[[F], F]:
     """Keep the tensors an actor method returns in the actor; the ObjectRef's value becomes metadata.
 
@@ -48,28 +52,48 @@ def tensor_method(
     ``snapshot=True`` copies the tensors at return, so later in-place changes by the producer are not seen by
     consumers (without it, consumers see the tensor as it is when they fetch it).
     ``timeout``: seconds consumers wait for this object's tensors (default: rdt.configure / 60 s).
+    ``ipc_map=True`` (transport "cuda_ipc", or "auto" when CUDA IPC is picked): consumers on the same node get
+    zero-copy views of the producer's GPU memory instead of copies; treat them as read-only (see docs/gpu.md).
     """
     if callable(tensor_transport):  # used as @rdt.tensor_method without parentheses
         raise InvalidArgumentError("tensor_method needs arguments", hint='write @rdt.tensor_method(tensor_transport="gloo")')
     transport = _check_transport(tensor_transport)
     seconds = _check_timeout(timeout)
+    if not isinstance(ipc_map, bool):
+        raise InvalidArgumentError(f"ipc_map must be True or False, got {ipc_map!r}", hint="pass ipc_map=True")
+    if ipc_map and transport not in ("cuda_ipc", "auto"):
+        raise InvalidArgumentError(
+            f"ipc_map=True maps GPU memory over CUDA IPC, but tensor_transport is {transport!r}",
+            hint="use tensor_transport='cuda_ipc' (or 'auto') with ipc_map=True, or drop ipc_map",
+        )
+    if not isinstance(snapshot, bool):
+        raise InvalidArgumentError(f"snapshot must be True or False, got {snapshot!r}", hint="pass snapshot=True")
+    if num_returns is not None and (isinstance(num_returns, bool) or not isinstance(num_returns, int)
+                                    or num_returns < 1):
+        raise InvalidArgumentError(
+            f"num_returns must be a positive int, got {num_returns!r}",
+            hint="tensor_method supports a fixed number of returns, e.g. num_returns=2 (not 'dynamic'/'streaming')",
+        )
 
     def decorate(fn: F) -> F:
         if not callable(fn):
-            raise InvalidArgumentError(f"tensor_method decorates methods, got {fn!r}")
+            raise InvalidArgumentError(f"tensor_method decorates methods, got {fn!r}",
+                                       hint="put @rdt.tensor_method(...) right above an actor method's def")
 
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 value = await fn(*args, **kwargs)
-                return _produce(value, transport, snapshot, seconds, getattr(async_wrapper, "__ray_num_returns__", 1))
+                return _produce(value, transport, snapshot, seconds, getattr(async_wrapper, "__ray_num_returns__", 1),
+                                ipc_map)
 
             wrapper: Any = async_wrapper
         else:
             @functools.wraps(fn)
             def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
                 value = fn(*args, **kwargs)
-                return _produce(value, transport, snapshot, seconds, getattr(sync_wrapper, "__ray_num_returns__", 1))
+                return _produce(value, transport, snapshot, seconds, getattr(sync_wrapper, "__ray_num_returns__", 1),
+                                ipc_map)
 
             wrapper = sync_wrapper
         # Ray inspect.unwrap()s methods before reading options such as __ray_num_returns__, so keep Ray on

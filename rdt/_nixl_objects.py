@@ -100,12 +100,19 @@ def _mem_type(buffers: List[torch.Tensor]) -> str:
     return "VRAM" if buffers and buffers[0].device.type == "cuda" else "DRAM"
 
 
+def _sync_cuda(bufs: List[torch.Tensor]) -> None:
+    """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams)."""
+    for dev in {b.device for b in bufs if b.device.type == "cuda"}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
 def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
     """Register an object's buffers (once) and describe them for consumers."""
     if entry.nixl is not None:
         return entry.nixl[1]
     ag = agent(ctx)
     bufs = entry.buffers
+    _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
     with ag.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
         reg = ag.agent.register_memory(bufs)
         # Partial metadata: connection info plus just this object's registrations, so it stays small however
@@ -167,10 +174,15 @@ def decode_info(data: bytes) -> NixlInfo:
 
 
 def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float) -> List[torch.Tensor]:
-    """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError."""
+    """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
+
+    ``device`` may be a CUDA device for VRAM or DRAM sources (NIXL registers the destination as VRAM) or the CPU
+    (the consumer has no GPU: a VRAM source is read into DRAM).
+    """
     ag = agent(ctx)
     ag.ensure_remote(info.agent, info.agent_md)
     dst = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in info.descs]
+    _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
     with ag.lock:
         reg = ag.agent.register_memory(dst)
     try:

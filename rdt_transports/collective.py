@@ -9,11 +9,11 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ._context import get_context
 from ._rendezvous import Rendezvous
-from .errors import GroupError, InvalidArgumentError, RdtError
+from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError
 from .group import CollectiveGroup
 from .types import ReduceOp, Timeout, to_seconds
 
@@ -30,7 +30,29 @@ def init_collective_group(
 ) -> CollectiveGroup:
     """Join ``group_name`` as ``rank`` of ``world_size`` from inside an actor; blocks until all ranks joined."""
     seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+    _preflight(backend, group_name, rank)  # e.g. nccl without cupy/CUDA: fail before the rendezvous
     return get_context().init_group(world_size, rank, backend, group_name, seconds)
+
+
+def _preflight(backend: str, group_name: str, rank: Optional[int] = None) -> None:
+    """Run the backend's own availability check (if it has one) in this process; typed error with the fix."""
+    from .backends import backend_class
+
+    try:
+        check = getattr(backend_class(backend), "check_available", None)
+        if check is not None:
+            check()
+    except RdtError as e:
+        raise type(e)(e.message, group=group_name, rank=rank, op="init_collective_group", hint=e.hint) from None
+
+
+def _preflight_on_actor(_self: Any, backend: str, group_name: str) -> Optional[Tuple[str, str, Optional[str]]]:
+    """Runs in each member before any rendezvous: None, or (error class name, message, hint)."""
+    try:
+        _preflight(backend, group_name)
+    except RdtError as e:
+        return type(e).__name__, e.message, e.hint
+    return None
 
 
 def destroy_collective_group(group: "str | GroupHandle" = "default", *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
@@ -134,14 +156,19 @@ def create_collective_group(
 
     from .backends import backend_class
 
+    if isinstance(actors, (ray.actor.ActorHandle, str, bytes)) or not hasattr(actors, "__iter__"):
+        raise InvalidArgumentError(f"actors must be a list of actor handles, got {type(actors).__name__}",
+                                   group=group_name if isinstance(group_name, str) else None,
+                                   hint="pass a list, e.g. create_collective_group([a, b])")
     actors = list(actors)
     seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
     try:  # unknown backend / missing package: fail before touching any actor
-        backend_class(backend)
+        backend_cls = backend_class(backend)
     except RdtError as e:
         raise type(e)(e.message, group=group_name, op="create_collective_group", hint=e.hint) from None
     if not actors:
-        raise InvalidArgumentError("actors must be a non-empty list of actor handles", group=group_name)
+        raise InvalidArgumentError("actors must be a non-empty list of actor handles", group=group_name,
+                                   hint="pass the handles of the group's members, e.g. [a, b]")
     ids = []
     for a in actors:
         if not isinstance(a, ray.actor.ActorHandle):
@@ -153,14 +180,20 @@ def create_collective_group(
                                    hint="each actor can hold one rank of a group")
     world_size = len(actors) if world_size is None else world_size
     if world_size != len(actors):
-        raise InvalidArgumentError(f"world_size={world_size} but {len(actors)} actors were given", group=group_name)
+        raise InvalidArgumentError(f"world_size={world_size} but {len(actors)} actors were given", group=group_name,
+                                   hint="leave world_size=None (it is len(actors)) or pass one actor per rank")
     ranks = list(range(world_size)) if ranks is None else list(ranks)
     if sorted(ranks) != list(range(world_size)):
         raise InvalidArgumentError(f"ranks {ranks} must be a permutation of 0..{world_size - 1}", group=group_name,
                                    op="create_collective_group",
                                    hint=f"pass ranks=None (actor order) or a reordering of {list(range(world_size))}")
     if not isinstance(group_name, str) or not group_name:
-        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}")
+        raise InvalidArgumentError(f"group_name must be a non-empty str, got {group_name!r}",
+                                   hint="pass a name such as group_name='workers'")
+    if getattr(backend_cls, "check_available", None) is not None:
+        # Backends with runtime requirements (nccl: cupy, libnccl, a visible GPU) are checked in every member
+        # before anything is published, so a CPU-only actor fails fast with the fix instead of a rendezvous hang.
+        _check_members(actors, ranks, backend, group_name, seconds)
     uid = uuid.uuid4().hex
     secret = secrets.token_bytes(32)
     members = [""] * world_size
@@ -188,6 +221,30 @@ def create_collective_group(
             hint="fix the failures above (a group name already used by an actor must be destroyed first)",
         )
     return handle
+
+
+def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float) -> None:
+    import ray
+
+    refs = [a.__ray_call__.remote(_preflight_on_actor, backend, group_name) for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    problems: List[str] = []
+    hint: Optional[str] = None
+    for r, ref in zip(ranks, refs):
+        if ref not in ready:
+            continue  # a busy member is reported by the join below
+        try:
+            res = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a dead member is reported by the join below
+            continue
+        if res is not None:
+            problems.append(f"rank {r}: {res[1]}")
+            hint = hint or res[2]
+    if problems:
+        raise BackendUnavailableError(
+            f"backend {backend!r} cannot run on every member: " + "; ".join(problems), group=group_name,
+            op="create_collective_group", hint=hint,
+        )
 
 
 # ---------------------------------------------------------------------- operations

@@ -13,6 +13,7 @@ import ray
 import torch
 
 import rdt
+from rdt._shm import pid_alive
 from rdt.errors import InvalidArgumentError, NoCollectiveGroupError, ProducerDiedError
 
 from ._object_actors import AsyncNode, Node
@@ -194,8 +195,11 @@ def test_killed_producer_gives_typed_error(ray_cluster, nodes, transport):
     try:
         ref = getattr(victim, f"make_{transport}").remote(N, 1.0)
         ray.wait([ref], timeout=30)
+        pid = ray.get(victim.pid.remote())
         ray.kill(victim)
         assert wait_for(lambda: _dead(victim), timeout=30)
+        # Ray may call the actor dead a moment before its process is gone; until then it can still serve.
+        assert wait_for(lambda: not pid_alive(pid), timeout=30)
         start = time.monotonic()
         # Our ProducerDiedError, or Ray's own ActorDiedError when Ray notices first that the owner of the object's
         # lifetime token is gone; both are typed and name the producer actor.

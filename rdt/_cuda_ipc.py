@@ -1,0 +1,213 @@
+"""CUDA IPC for the object layer: a consumer on the producer's node opens the producer's GPU memory directly.
+
+Mechanism (torch's own CUDA IPC, the one ``torch.multiprocessing`` uses):
+
+* Producer, at return time (transport ``"cuda_ipc"``, or ``"auto"`` when every buffer is on a GPU):
+  ``UntypedStorage._share_cuda_()`` on each buffer's storage. It gives the ``cudaIpcMemHandle`` of the caching
+  allocator block, the storage's offset in that block, an IPC event recorded on the producer's current stream
+  (so the consumer waits for the producer's pending kernels), and a slot in a shared-memory reference
+  counter. These values, the buffer's byte range and the GPU's UUID make up a :class:`CudaIpcInfo`. It
+  travels inside the object's metadata (:attr:`ObjectMeta.cuda_ipc`), so no control round trip is needed.
+* Consumer: ``UntypedStorage._new_shared_cuda()`` opens the handle on the local device index with that UUID,
+  which can differ from the producer's index (Ray gives each actor its own ``CUDA_VISIBLE_DEVICES``). torch
+  caches opened handles per process and makes the current stream wait on the producer's event. Then:
+
+  - default (copy): a fresh buffer on the consumer's current CUDA device (or ``device=``) is filled on a
+    dedicated stream. That stream is synchronised and the mapping dropped before returning, so the result
+    does not depend on the producer afterwards. Same GPU: a device-local copy. Another GPU: a peer copy.
+  - ``ipc_map=True`` (``@rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)``): no copy. The
+    leaves are views of the producer's memory. Treat them as read-only: writes land in the producer's tensor.
+    Each mapped leaf holds the object's lifetime token, so the producer keeps the memory while a mapped leaf
+    is alive. Views derived from it do not hold the token, so keep the leaf (or the ObjectRef) alive for as
+    long as you use them.
+
+* Lifetime: torch counts one pending "message" per ``_share_cuda_`` call and keeps a freed block in limbo
+  until that count drops to zero. An object may be read by any number of consumers, or by none. So the
+  producer settles its own export when the object is freed (:func:`release`). Until then the table entry
+  keeps the memory alive anyway. Blocks are never parked in limbo and never leak.
+
+Limits: same node only. The producer's GPU must be visible to the consumer (by UUID); otherwise ``auto`` picks
+another path and an explicit ``"cuda_ipc"`` fails with a fix. Memory that did not come from torch's caching
+allocator (for example a cupy array) cannot be exported as-is: it is copied once into torch memory at
+export. None of this can run without CUDA; tests/test_gpu.py covers it on GPU machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("rdt")
+
+
+@dataclass(frozen=True)
+class IpcBuffer:
+    """One exported buffer: torch's IPC share of its storage plus where the buffer sits in that storage."""
+
+    device_uuid: str  # physical GPU, stable across CUDA_VISIBLE_DEVICES renumbering
+    device_index: int  # the producer's own index (informational)
+    handle: bytes  # cudaIpcMemHandle of the allocation (torch's encoding)
+    storage_nbytes: int
+    storage_offset: int  # of the storage inside the allocation, bytes
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: Optional[bytes]
+    event_sync_required: bool
+    buffer_offset: int  # of the buffer inside the storage, bytes
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CudaIpcInfo:
+    """What a consumer needs to open an object's GPU buffers; rides in ObjectMeta.cuda_ipc."""
+
+    buffers: Tuple[IpcBuffer, ...]
+    map: bool = False  # map read-only instead of copying (tensor_method(..., ipc_map=True))
+
+    def uuids(self) -> Tuple[str, ...]:
+        return tuple(sorted({b.device_uuid for b in self.buffers}))
+
+
+# ------------------------------------------------------------------------------------------------ devices
+_uuid_cache: Optional[Dict[str, int]] = None
+_uuid_lock = threading.Lock()
+
+
+def _device_uuid(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"{props.name}#{props.pci_bus_id if hasattr(props, 'pci_bus_id') else index}"
+
+
+def visible_devices() -> Dict[str, int]:
+    """UUID -> local device index for every GPU this process sees ({} without CUDA); cached."""
+    global _uuid_cache
+    if _uuid_cache is None:
+        with _uuid_lock:
+            if _uuid_cache is None:
+                found: Dict[str, int] = {}
+                try:
+                    if torch.cuda.is_available():
+                        for i in range(torch.cuda.device_count()):
+                            found[_device_uuid(i)] = i
+                except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
+                    found = {}
+                _uuid_cache = found
+    return _uuid_cache
+
+
+def can_open(info: Optional[CudaIpcInfo]) -> bool:
+    """Whether this process can open every buffer of ``info`` (same node is checked by the caller)."""
+    if info is None or not info.buffers:
+        return False
+    visible = visible_devices()
+    return all(b.device_uuid in visible for b in info.buffers)
+
+
+def target_device() -> Optional[torch.device]:
+    """The consumer's current CUDA device, or None when this process has no CUDA."""
+    try:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ producer
+def _share(buf: torch.Tensor) -> IpcBuffer:
+    storage = buf.untyped_storage()
+    (dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = storage._share_cuda_()
+    index = buf.get_device()
+    return IpcBuffer(_device_uuid(index), index, bytes(handle), int(size), int(offset), bytes(rc_handle),
+                     int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync),
+                     buf.storage_offset() * buf.element_size(), buf.numel() * buf.element_size())
+
+
+def export(entry: Any, ipc_map: bool = False) -> CudaIpcInfo:
+    """Share every buffer of ``entry`` (all CUDA); remembered on the entry so :func:`release` can settle it."""
+    items: List[IpcBuffer] = []
+    bufs = entry.flat.buffers
+    for i, buf in enumerate(bufs):
+        try:
+            items.append(_share(buf))
+        except RuntimeError as e:  # not caching-allocator memory (e.g. a cupy array): share a torch copy
+            logger.debug("rdt: buffer %d cannot be shared in place (%s); sharing a copy", i, e)
+            bufs[i] = buf.clone()
+            items.append(_share(bufs[i]))
+    info = CudaIpcInfo(tuple(items), bool(ipc_map))
+    entry.cuda_ipc = info
+    return info
+
+
+def release(info: CudaIpcInfo) -> None:
+    """Producer side, when the object is freed: settle torch's per-share counter so the block is not kept."""
+    for b in info.buffers:
+        try:
+            torch.UntypedStorage._release_ipc_counter(b.ref_counter_handle, b.ref_counter_offset,
+                                                      device=b.device_index)
+        except Exception:  # noqa: BLE001 - freeing must never fail
+            pass
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+def _open(b: IpcBuffer, index: int) -> torch.Tensor:
+    """The producer's buffer as a uint8 tensor on local device ``index`` (a mapping, no copy)."""
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, b.handle, b.storage_nbytes, b.storage_offset, b.ref_counter_handle, b.ref_counter_offset,
+        b.event_handle, b.event_sync_required,
+    )
+    t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+    t.set_(storage, b.buffer_offset, (b.nbytes,), (1,))
+    return t
+
+
+def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
+          map_only: Optional[bool] = None) -> List[torch.Tensor]:
+    """Open (and by default copy) every buffer; raises RuntimeError when a handle cannot be opened."""
+    from .errors import UnsupportedError
+
+    visible = visible_devices()
+    missing = [b.device_uuid for b in info.buffers if b.device_uuid not in visible]
+    if missing:
+        raise UnsupportedError(
+            f"CUDA IPC needs the producer's GPU ({missing[0]}) to be visible in this process, and it is not",
+            hint="share the GPU between the actors (e.g. num_gpus=0.5 each), or use tensor_transport='nccl', "
+            "'nixl' or 'auto'",
+        )
+    do_map = info.map if map_only is None else map_only
+    mapped = [_open(b, visible[b.device_uuid]) for b in info.buffers]
+    if do_map:
+        return mapped  # resolve() pins the object's lifetime token on the leaves (keep_alive)
+    target = device if device is not None else target_device()
+    if target is None:
+        raise UnsupportedError("CUDA IPC needs a CUDA device in the consumer",
+                               hint="run the consumer with a GPU, or use tensor_transport='auto'")
+    out: List[torch.Tensor] = []
+    stream = torch.cuda.Stream(device=target)
+    stream.wait_stream(torch.cuda.current_stream(target))  # the fresh blocks below come from that stream's pool
+    for src in mapped:
+        # The open made the source device's current stream wait on the producer's IPC event; follow it.
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=target)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        out.append(dst)
+    stream.synchronize()  # done reading the producer's memory before the mapping is dropped
+    del mapped
+    return out
+
+
+def keep_alive(leaves: List[Any], token: Any) -> None:
+    """Mapped leaves hold the object's lifetime token, so the producer keeps the memory they view."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            try:
+                leaf._rdt_keepalive = token
+            except (AttributeError, TypeError):  # a tensor subclass without __dict__
+                pass

@@ -1,0 +1,664 @@
+"""NCCL backend for CUDA tensors (torch tensors and cupy arrays), built on cupy's NCCL bindings.
+
+Why cupy's bindings and not torch's ``ProcessGroupNCCL``:
+
+* Control over streams, completion and abort. Each communicator here has its own CUDA stream and its own
+  issuing thread. Completion is a CUDA event that ``Work.wait`` polls against a deadline, and a timeout calls
+  ``ncclCommAbort``. ``ProcessGroupNCCL`` hides these things behind its watchdog thread, which by default
+  tears down the whole process when an op times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). That would kill
+  the Ray actor instead of raising :class:`CollectiveTimeoutError`.
+* No process-wide torch.distributed state and no Store protocol: the 128-byte NCCL unique id is exchanged
+  through the group's ``config.rendezvous`` (Ray GCS KV).
+* Point-to-point communicators are our own (see below), so their ordering can be made deadlock-free.
+  ``ProcessGroupNCCL`` p2p has no tags and puts both directions of a pair on one communicator.
+
+The cost is an extra package: ``pip install 'rdt[gpu]'`` (cupy-cuda13x, the cu13 build that matches the
+PyPI CUDA torch). cupy and NCCL are imported lazily, only when a group is created. A missing package, a missing
+libnccl or no visible CUDA device raises :class:`BackendUnavailableError` with the fix, before any peer or
+rendezvous key is touched (:func:`check_available`). ``create_collective_group`` runs that check on every
+actor before rendezvous.
+
+Communicators and ordering (no deadlock when two actors send to each other at once):
+
+* One *world* communicator runs the native collectives: allreduce, broadcast, reduce, allgather,
+  reducescatter. gather, scatter and alltoall are grouped send/recv (``ncclGroupStart/End``) on it, and barrier
+  is a one-element allreduce. The group layer issues collectives in the same order on every rank, as NCCL
+  requires.
+* Point-to-point traffic never uses the world communicator. Each *direction* ``src -> dst`` gets its own
+  two-rank communicator, created lazily on first use (``src`` mints the unique id and publishes it under
+  ``nccl/p2p/<src>-<dst>``). Only ``src`` sends and only ``dst`` receives on it, so a blocked send can only
+  wait for a receive that is queued behind receives for earlier sends of the same direction. That rules out
+  any cycle. The classic case (A sends to B while B sends to A, each blocking) uses two independent
+  communicators and streams. NCCL matches sends and receives of one direction in issue order, and every
+  communicator has one issuing thread that takes operations in posting order. The group layer posts
+  tags in increasing order on both sides (its p2p counters, symmetric algorithm steps, and the object layer,
+  which serialises its fetches per producer on NCCL groups), so the orders agree.
+* Every communicator has a dedicated CUDA stream. Before an operation is issued, its stream waits on an event
+  recorded on the caller's current stream, so the NCCL kernel sees what the caller wrote. The tensor is
+  ``record_stream``-ed so the caching allocator never reuses it early. ``Work.wait`` blocks the CPU until the
+  completion event has fired, so results are visible to any stream afterwards.
+* NCCL ops are asynchronous, and ``ncclCommInitRank`` and the first connection to a peer can block on the
+  CPU until the peer arrives. All NCCL calls therefore run on the communicator's own thread, and callers
+  only wait on Python events and CUDA events under the deadline. On timeout, or when
+  ``ncclCommGetAsyncError`` reports a failure (for example a dead peer), the communicator is aborted and
+  :class:`CollectiveTimeoutError` or :class:`PeerUnavailableError` is raised. The group then marks itself
+  ERRORED.
+
+NCCL does not check sizes, so ``checks_p2p_sizes`` is False and the group adds its size/dtype handshake.
+The handshake's small CPU header tensors are staged through the device here. Running several NCCL
+communicators at once on one GPU is what torch does for its p2p too. NCCL documents it as "may work while the
+kernels fit on the GPU". This backend never holds one communicator's kernel waiting on another's.
+
+This module cannot be exercised on a machine without CUDA; its CPU-side paths (import, availability errors,
+capabilities) are covered by tests/test_gpu_cpu_side.py and the data paths by tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import (
+    BackendUnavailableError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    GroupDestroyedError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+)
+from ..types import Capabilities, ReduceOp
+from .base import Backend, BackendConfig, NativeCollectives, Work
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "install the GPU extra on a machine with an NVIDIA GPU: pip install 'rdt[gpu]' (cupy-cuda13x, which loads "
+    "the libnccl that a CUDA build of torch ships in nvidia-nccl-cu13), and give the actor a GPU "
+    "(@ray.remote(num_gpus=1)); on CPU-only machines use backend='gloo'"
+)
+_UID_BYTES = 128
+_POLL_MIN_S = 2e-5
+_POLL_MAX_S = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- availability
+def _import_nccl() -> Tuple[Any, Any]:
+    """Import cupy and cupy.cuda.nccl lazily; BackendUnavailableError with the fix when they cannot work here."""
+    problems: List[str] = []
+    cupy = nccl = None
+    try:
+        import warnings
+
+        with warnings.catch_warnings():  # cupy warns (not raises) when libnccl.so cannot be loaded
+            warnings.simplefilter("ignore")
+            import cupy  # noqa: F811
+            from cupy.cuda import nccl  # noqa: F811
+    except ImportError as e:
+        problems.append(f"cupy (with its NCCL bindings) is not importable: {e}")
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything
+        problems.append(f"importing cupy failed: {type(e).__name__}: {e}")
+    if nccl is not None and not getattr(nccl, "available", True):
+        problems.append("cupy cannot load libnccl.so.2")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            problems.append(f"torch {torch.__version__} is a CPU-only build")
+        else:
+            problems.append("no CUDA device is visible to this process (torch.cuda.is_available() is False)")
+    if problems:
+        raise BackendUnavailableError(
+            "the NCCL backend cannot run in this process: " + "; ".join(problems), op="init", hint=INSTALL_HINT
+        )
+    return cupy, nccl
+
+
+def check_available() -> None:
+    """Raise BackendUnavailableError (with the fix) unless cupy, libnccl and a CUDA device are usable here."""
+    _import_nccl()
+
+
+def _nccl_dtype(nccl: Any, dtype: torch.dtype) -> int:
+    table = {
+        torch.float16: getattr(nccl, "NCCL_FLOAT16", 6),
+        torch.bfloat16: getattr(nccl, "NCCL_BFLOAT16", 9),
+        torch.float32: getattr(nccl, "NCCL_FLOAT32", 7),
+        torch.float64: getattr(nccl, "NCCL_FLOAT64", 8),
+        torch.int32: getattr(nccl, "NCCL_INT32", 2),
+        torch.int64: getattr(nccl, "NCCL_INT64", 4),
+        torch.uint8: getattr(nccl, "NCCL_UINT8", 1),
+    }
+    try:
+        return table[dtype]
+    except KeyError:
+        raise InvalidArgumentError(f"NCCL cannot move dtype {dtype}", op="nccl",
+                                   hint="use float16/bfloat16/float32/float64/int32/int64/uint8") from None
+
+
+def _nccl_op(nccl: Any, op: ReduceOp) -> Tuple[int, bool]:
+    """(nccl op, divide-by-world-size afterwards)."""
+    if op is ReduceOp.AVG:
+        avg = getattr(nccl, "NCCL_AVG", None)
+        return (avg, False) if avg is not None else (nccl.NCCL_SUM, True)
+    return {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.PRODUCT: nccl.NCCL_PROD, ReduceOp.MIN: nccl.NCCL_MIN,
+            ReduceOp.MAX: nccl.NCCL_MAX}[op], False
+
+
+def _encode_uid(uid: Any) -> bytes:
+    """The unique id as 128 bytes (cupy >= 13 returns bytes; older cupy a tuple of signed chars)."""
+    if isinstance(uid, (bytes, bytearray)):
+        raw = bytes(uid)
+    else:
+        raw = struct.pack(f"{_UID_BYTES}b", *[((int(x) + 128) % 256) - 128 for x in uid])
+    if len(raw) != _UID_BYTES:
+        raise CommunicationError(f"unexpected NCCL unique id of {len(raw)} bytes", op="init")
+    return raw
+
+
+def _decode_uid(raw: bytes) -> bytes:
+    if len(raw) != _UID_BYTES:
+        raise CommunicationError(f"malformed NCCL unique id ({len(raw)} bytes)", op="init")
+    return raw
+
+
+def _new_communicator(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
+    try:
+        return nccl.NcclCommunicator(world, uid, rank)
+    except TypeError:  # cupy < 13 takes the id as a tuple of signed chars
+        return nccl.NcclCommunicator(world, struct.unpack(f"{_UID_BYTES}b", uid), rank)
+
+
+# ---------------------------------------------------------------------------------------------- communicators
+class _Op:
+    """One posted operation: issued on its communicator's thread, complete when its CUDA event fires."""
+
+    def __init__(self, name: str, peer: Optional[int], fn: Callable[[Any, int], None], keep: List[torch.Tensor],
+                 ready: Optional[torch.cuda.Event], after: Optional[Callable[[], None]] = None) -> None:
+        self.name = name
+        self.peer = peer
+        self.fn = fn  # fn(nccl_comm, stream_ptr): enqueue the NCCL calls
+        self.keep = keep  # tensors that must outlive the op
+        self.ready = ready  # event on the caller's stream the op must wait for
+        self.after = after  # host-side epilogue (copy a staged result back), run by the waiter
+        self.issued = threading.Event()
+        self.done: Optional[torch.cuda.Event] = None
+        self.error: Optional[BaseException] = None
+        self.finished = False
+
+
+class _Comm:
+    """An NCCL communicator with its own stream and issuing thread (init and every enqueue run there)."""
+
+    def __init__(self, backend: "NcclBackend", label: str, world: int, rank: int,
+                 uid_source: Callable[[], bytes]) -> None:
+        self.backend = backend
+        self.label = label
+        self.world = world
+        self.rank = rank
+        self.comm: Any = None
+        self.stream: Optional[torch.cuda.Stream] = None
+        self.ready = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.aborted = False
+        self._queue: "collections.deque[Optional[_Op]]" = collections.deque()
+        self._cv = threading.Condition()
+        self._uid_source = uid_source
+        self._thread = threading.Thread(target=self._loop, name=f"rdt-nccl-{label}", daemon=True)
+        self._thread.start()
+
+    # -- the communicator's own thread
+    def _loop(self) -> None:
+        nccl = self.backend._nccl
+        try:
+            torch.cuda.set_device(self.backend.device)
+            self.stream = torch.cuda.Stream(device=self.backend.device)
+            uid = self._uid_source()
+            self.comm = _new_communicator(nccl, self.world, uid, self.rank)
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+            self.error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                op = self._queue.popleft()
+            if op is None:
+                return
+            if self.aborted or self.error is not None:
+                op.error = self.error or GroupDestroyedError("the NCCL communicator was aborted", op=op.name)
+                op.issued.set()
+                continue
+            try:
+                assert self.stream is not None
+                if op.ready is not None:
+                    self.stream.wait_event(op.ready)
+                for t in op.keep:
+                    if t.is_cuda:
+                        t.record_stream(self.stream)
+                op.fn(self.comm, self.stream.cuda_stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                op.done = done
+            except BaseException as e:  # noqa: BLE001
+                op.error = e
+            op.issued.set()
+
+    # -- any thread
+    def post(self, op: _Op) -> _Op:
+        with self._cv:
+            self._queue.append(op)
+            self._cv.notify()
+        return op
+
+    def async_error(self) -> Optional[str]:
+        comm = self.comm
+        if comm is None or self.aborted:
+            return None
+        try:
+            comm.check_async_error()
+        except Exception as e:  # noqa: BLE001 - NcclError naming the failure
+            return str(e)
+        return None
+
+    def abort(self) -> None:
+        """Non-blocking: make the stuck kernels of this communicator exit (ncclCommAbort)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        comm = self.comm
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - best effort by contract
+                pass
+
+    def close(self) -> None:
+        with self._cv:
+            idle = not self._queue
+            self._queue.append(None)
+            self._cv.notify()
+        comm = self.comm
+        if comm is None or self.aborted:
+            return
+        try:
+            if idle:
+                comm.destroy()
+            else:
+                comm.abort()
+        except Exception:  # noqa: BLE001
+            pass
+        self.aborted = True
+
+
+class _NcclWork(Work):
+    def __init__(self, backend: "NcclBackend", comm: _Comm, op: _Op) -> None:
+        self._backend = backend
+        self._comm = comm
+        self._op = op
+
+    def wait(self, timeout: float) -> None:
+        self._backend._wait(self._comm, self._op, timeout)
+
+    def is_completed(self) -> bool:
+        op = self._op
+        return op.finished or (op.done is not None and op.done.query())
+
+
+class NcclBackend(Backend):
+    """NCCL over cupy's bindings: native collectives on a world communicator, p2p on directional ones."""
+
+    capabilities = Capabilities(
+        name="nccl",
+        devices=frozenset({"cuda"}),
+        two_sided=True,
+        one_sided=False,
+        native_collectives=frozenset(
+            {"broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter", "alltoall",
+             "barrier"}
+        ),
+        native_reduce_ops=frozenset(ReduceOp),
+        can_abort=True,
+        checks_p2p_sizes=False,
+        requires="cupy-cuda13x",
+    )
+
+    @staticmethod
+    def check_available() -> None:
+        """Preflight used by create_collective_group/init_collective_group before any rendezvous."""
+        check_available()
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self._cupy, self._nccl = _import_nccl()  # before any rendezvous key is touched
+        self.device = torch.cuda.current_device()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._aborted = False
+        rdv = config.rendezvous
+        if config.rank == 0:
+            rdv.put("nccl/world", _encode_uid(self._nccl.get_unique_id()))
+
+        def world_uid() -> bytes:
+            return _decode_uid(rdv.get("nccl/world", config.timeout, what="the NCCL unique id from rank 0"))
+
+        self._world = _Comm(self, "world", config.world_size, config.rank, world_uid)
+        self._p2p: Dict[Tuple[int, int], _Comm] = {}
+        self._native = _NcclNative(self)
+        # Join the world communicator eagerly so that a group is usable (and init errors surface) at creation.
+        if not self._world.ready.wait(config.timeout):
+            self._world.abort()
+            raise CollectiveTimeoutError(
+                f"NCCL communicator init did not complete within {config.timeout:.1f}s",
+                group=config.group_name, rank=config.rank, op="init",
+                hint="every rank must create the group; check that each actor has its own GPU visible",
+            )
+        if self._world.error is not None:
+            raise self._classify(self._world.error, "init", None)
+
+    # ------------------------------------------------------------------ helpers
+    def _classify(self, e: BaseException, op: str, peer: Optional[int]) -> Exception:
+        if isinstance(e, (CommunicationError, InvalidArgumentError, GroupDestroyedError)):
+            return e
+        text = f"{type(e).__name__}: {e}"
+        low = text.lower()
+        if "remote" in low or "unhandled system error" in low or "connection" in low:
+            return PeerUnavailableError(f"{op} failed: {text}", group=self.config.group_name, rank=self.rank,
+                                        peer=peer, op=op,
+                                        hint="a member of the group died or left; re-form the group with live members")
+        return CommunicationError(f"{op} failed: {text}", group=self.config.group_name, rank=self.rank, peer=peer,
+                                  op=op)
+
+    def _check_open(self, op: str) -> None:
+        if self._aborted or self._closed:
+            raise GroupDestroyedError("the NCCL backend was aborted or shut down", group=self.config.group_name,
+                                      rank=self.rank, op=op, hint="create the group again")
+
+    def _p2p_comm(self, src: int, dst: int) -> _Comm:
+        key = (src, dst)
+        with self._lock:
+            c = self._p2p.get(key)
+            if c is not None:
+                return c
+            rdv = self.config.rendezvous
+            name = f"nccl/p2p/{src}-{dst}"
+            if self.rank == src:
+                rdv.put(name, _encode_uid(self._nccl.get_unique_id()))
+            timeout = self.config.timeout
+
+            def uid() -> bytes:
+                return _decode_uid(rdv.get(name, timeout, what=f"the NCCL p2p id for {src}->{dst}"))
+
+            c = _Comm(self, f"{src}to{dst}", 2, 0 if self.rank == src else 1, uid)
+            self._p2p[key] = c
+            return c
+
+    def _device_tensor(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if t.is_cuda and t.device.index != self.device:
+            raise InvalidArgumentError(
+                f"{op}: tensor is on {t.device} but this rank's NCCL communicator is on cuda:{self.device}",
+                group=self.config.group_name, rank=self.rank, op=op,
+                hint=f"move it with .to('cuda:{self.device}') or torch.cuda.set_device() before creating the group",
+            )
+        return t
+
+    def _ready_event(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _wait(self, comm: _Comm, op: _Op, timeout: float) -> None:
+        if op.finished:
+            if op.error is not None:
+                raise op.error
+            return
+        deadline = time.monotonic() + timeout
+        err = self._wait_inner(comm, op, deadline, timeout)
+        op.finished = True
+        if err is not None:
+            op.error = err
+            raise err
+        if op.after is not None:
+            op.after()
+        op.keep = []
+
+    def _wait_inner(self, comm: _Comm, op: _Op, deadline: float, timeout: float) -> Optional[BaseException]:
+        gname, rank = self.config.group_name, self.rank
+
+        def timed_out(stage: str) -> BaseException:
+            comm.abort()
+            return CollectiveTimeoutError(
+                f"NCCL {op.name} did not complete within {timeout:.2f}s ({stage}); the communicator was aborted",
+                group=gname, rank=rank, peer=op.peer, op=op.name,
+                hint="check that every rank makes the matching call and none is dead or stuck; raise the timeout "
+                "for large transfers",
+            )
+
+        if not comm.ready.wait(max(deadline - time.monotonic(), 0)):
+            return timed_out("waiting for the peer to join the communicator")
+        if comm.error is not None:
+            return self._classify(comm.error, op.name, op.peer)
+        if not op.issued.wait(max(deadline - time.monotonic(), 0)):
+            return timed_out("waiting to be issued")
+        if op.error is not None:
+            return self._classify(op.error, op.name, op.peer)
+        assert op.done is not None
+        delay = _POLL_MIN_S
+        while not op.done.query():
+            if comm.aborted:
+                return GroupDestroyedError(f"NCCL {op.name} was aborted", group=gname, rank=rank, peer=op.peer,
+                                           op=op.name)
+            msg = comm.async_error()
+            if msg is not None:
+                comm.abort()
+                return PeerUnavailableError(
+                    f"NCCL {op.name} failed asynchronously ({msg}); the communicator was aborted",
+                    group=gname, rank=rank, peer=op.peer, op=op.name,
+                    hint="a member of the group died or its network failed; re-form the group",
+                )
+            if time.monotonic() >= deadline:
+                return timed_out("in flight")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return None
+
+    # ------------------------------------------------------------------ point to point
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        self._check_open("send")
+        if not tensor.is_cuda:  # the group's small CPU handshake headers
+            tensor = tensor.to(f"cuda:{self.device}")
+        tensor = self._device_tensor(tensor, "send")
+        comm = self._p2p_comm(self.rank, peer)
+        nccl = self._nccl
+        count, dt = tensor.numel(), _nccl_dtype(nccl, tensor.dtype)
+        ptr = tensor.data_ptr()
+
+        def fn(c: Any, stream: int) -> None:
+            c.send(ptr, count, dt, 1, stream)
+
+        op = comm.post(_Op("send", peer, fn, [tensor], self._ready_event()))
+        return _NcclWork(self, comm, op)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        self._check_open("recv")
+        target = tensor
+        after = None
+        if not tensor.is_cuda:  # stage a CPU destination through the device
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=f"cuda:{self.device}")
+
+            def after(dst: torch.Tensor = target, src: torch.Tensor = staged) -> None:
+                dst.copy_(src.cpu())
+
+            tensor = staged
+        tensor = self._device_tensor(tensor, "recv")
+        comm = self._p2p_comm(peer, self.rank)
+        nccl = self._nccl
+        count, dt = tensor.numel(), _nccl_dtype(nccl, tensor.dtype)
+        ptr = tensor.data_ptr()
+
+        def fn(c: Any, stream: int) -> None:
+            c.recv(ptr, count, dt, 0, stream)
+
+        op = comm.post(_Op("recv", peer, fn, [tensor], self._ready_event(), after))
+        return _NcclWork(self, comm, op)
+
+    def native(self) -> Optional[NativeCollectives]:
+        return self._native
+
+    def abort(self) -> None:
+        self._aborted = True
+        for c in [self._world, *list(self._p2p.values())]:
+            c.abort()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in [self._world, *list(self._p2p.values())]:
+            c.close()
+
+
+class _NcclNative(NativeCollectives):
+    """The collectives, each one closure enqueued on the world communicator's thread."""
+
+    def __init__(self, backend: NcclBackend) -> None:
+        self._b = backend
+        self._nccl = backend._nccl
+
+    def run(self, name: str, timeout: float, **kw: Any) -> None:
+        b = self._b
+        b._check_open(name)
+        for v in kw.values():
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor):
+                    b._device_tensor(t, name)
+        fn, keep, after = getattr(self, "_" + name)(**kw)
+        op = b._world.post(_Op(name, None, fn, keep, b._ready_event(), after))
+        b._wait(b._world, op, timeout)
+
+    def _dt(self, t: torch.Tensor) -> int:
+        return _nccl_dtype(self._nccl, t.dtype)
+
+    def _divide(self, t: torch.Tensor, divide: bool) -> None:
+        if divide:
+            t.div_(self._b.world_size)
+
+    @staticmethod
+    def _on(stream_ptr: int, device: int) -> Any:
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=torch.device("cuda", device)))
+
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        p, n, dt = tensor.data_ptr(), tensor.numel(), self._dt(tensor)
+        return (lambda c, s: c.broadcast(p, p, n, dt, root, s)), [tensor], None
+
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        p, n, dt = tensor.data_ptr(), tensor.numel(), self._dt(tensor)
+        nop, divide = _nccl_op(self._nccl, op)
+        return (lambda c, s: c.allReduce(p, p, n, dt, nop, s)), [tensor], (lambda: self._divide(tensor, divide))
+
+    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Any:
+        p, n, dt = tensor.data_ptr(), tensor.numel(), self._dt(tensor)
+        nop, divide = _nccl_op(self._nccl, op)
+        mine = self._b.rank == root
+        return ((lambda c, s: c.reduce(p, p, n, dt, nop, root, s)), [tensor],
+                (lambda: self._divide(tensor, divide and mine)))
+
+    def _allgather(self, outputs: List[torch.Tensor], tensor: torch.Tensor) -> Any:
+        n, dt, dev = tensor.numel(), self._dt(tensor), self._b.device
+        flat = torch.empty(n * len(outputs), dtype=tensor.dtype, device=tensor.device)
+
+        def fn(c: Any, s: int) -> None:
+            c.allGather(tensor.data_ptr(), flat.data_ptr(), n, dt, s)
+            with self._on(s, dev):
+                for i, o in enumerate(outputs):
+                    o.view(-1).copy_(flat[i * n:(i + 1) * n])
+
+        return fn, [tensor, flat, *outputs], None
+
+    def _reducescatter(self, tensor: torch.Tensor, inputs: List[torch.Tensor], op: ReduceOp) -> Any:
+        n, dt, dev = tensor.numel(), self._dt(tensor), self._b.device
+        nop, divide = _nccl_op(self._nccl, op)
+        flat = torch.empty(n * len(inputs), dtype=tensor.dtype, device=tensor.device)
+
+        def fn(c: Any, s: int) -> None:
+            with self._on(s, dev):
+                for i, x in enumerate(inputs):
+                    flat[i * n:(i + 1) * n].copy_(x.reshape(-1))
+            c.reduceScatter(flat.data_ptr(), tensor.data_ptr(), n, dt, nop, s)
+
+        return fn, [tensor, flat, *inputs], (lambda: self._divide(tensor, divide))
+
+    def _grouped(self, fn_body: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+        nccl = self._nccl
+
+        def fn(c: Any, s: int) -> None:
+            nccl.groupStart()
+            try:
+                fn_body(c, s)
+            finally:
+                nccl.groupEnd()
+
+        return fn
+
+    def _gather(self, outputs: Optional[List[torch.Tensor]], tensor: torch.Tensor, root: int) -> Any:
+        b, n, dt = self._b, tensor.numel(), self._dt(tensor)
+        if b.rank != root:
+            return self._grouped(lambda c, s: c.send(tensor.data_ptr(), n, dt, root, s)), [tensor], None
+        assert outputs is not None
+
+        def body(c: Any, s: int) -> None:
+            for r, o in enumerate(outputs):
+                if r != root:
+                    c.recv(o.data_ptr(), n, dt, r, s)
+
+        def fn(c: Any, s: int) -> None:
+            self._grouped(body)(c, s)
+            with self._on(s, b.device):
+                outputs[root].view(-1).copy_(tensor.view(-1))
+
+        return fn, [tensor, *outputs], None
+
+    def _scatter(self, inputs: Optional[List[torch.Tensor]], tensor: torch.Tensor, root: int) -> Any:
+        b, n, dt = self._b, tensor.numel(), self._dt(tensor)
+        if b.rank != root:
+            return self._grouped(lambda c, s: c.recv(tensor.data_ptr(), n, dt, root, s)), [tensor], None
+        assert inputs is not None
+
+        def body(c: Any, s: int) -> None:
+            for r, x in enumerate(inputs):
+                if r != root:
+                    c.send(x.data_ptr(), n, dt, r, s)
+
+        def fn(c: Any, s: int) -> None:
+            self._grouped(body)(c, s)
+            with self._on(s, b.device):
+                tensor.view(-1).copy_(inputs[root].view(-1))
+
+        return fn, [tensor, *inputs], None
+
+    def _alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor]) -> Any:
+        b = self._b
+        n, dt = inputs[0].numel(), self._dt(inputs[0])
+
+        def body(c: Any, s: int) -> None:
+            for r in range(b.world_size):
+                if r != b.rank:
+                    c.send(inputs[r].data_ptr(), n, dt, r, s)
+                    c.recv(outputs[r].data_ptr(), n, dt, r, s)
+
+        def fn(c: Any, s: int) -> None:
+            self._grouped(body)(c, s)
+            with self._on(s, b.device):
+                outputs[b.rank].view(-1).copy_(inputs[b.rank].view(-1))
+
+        return fn, [*inputs, *outputs], None
+
+    def _barrier(self) -> Any:
+        token = torch.zeros(1, dtype=torch.uint8, device=f"cuda:{self._b.device}")
+        p, dt = token.data_ptr(), self._dt(token)
+        return (lambda c, s: c.allReduce(p, p, 1, dt, self._nccl.NCCL_SUM, s)), [token], None

@@ -1,0 +1,229 @@
+"""GPU data paths: cuda_ipc and NIXL VRAM between two actors sharing one GPU, NCCL between two GPUs, ray.get of a
+GPU object on the driver, device-mismatch errors with real CUDA tensors.
+
+Every test here is marked ``gpu`` (NCCL ones also ``multi_gpu``) and skips with the reason where CUDA, a second
+GPU, cupy or NIXL is missing. Run them with ``pytest -m gpu`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import ray
+import torch
+
+import rdt
+import rdt_transports
+from rdt.errors import UnsupportedError
+
+from .conftest import HAS_NIXL
+
+HAS_CUDA = torch.cuda.is_available()
+N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+N = 1 << 20  # 4 MiB of float32: out of band
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (torch.cuda.is_available() is False)"),
+]
+
+
+@ray.remote(num_gpus=0.5)
+class GpuNode:
+    @rdt.tensor_method(tensor_transport="cuda_ipc")
+    def make_ipc(self, n, v):
+        return {"w": torch.full((n,), v, device="cuda"), "b": torch.arange(8, device="cuda")}
+
+    @rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)
+    def make_ipc_map(self, n, v):
+        self.kept = torch.full((n,), v, device="cuda")
+        return self.kept
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def make_nixl(self, n, v):
+        return torch.full((n,), v, device="cuda")
+
+    @rdt.tensor_method(tensor_transport="auto")
+    def make_auto(self, n, v):
+        return torch.full((n,), v, device="cuda")
+
+    @rdt.tensor_method(tensor_transport="nccl")
+    def make_nccl(self, n, v):
+        return torch.full((n,), v, device="cuda")
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def cuda_on_gloo(self):
+        return torch.ones(4, device="cuda")
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def cuda_on_shm(self):
+        return torch.ones(4, device="cuda")
+
+    def describe(self, x):
+        from rdt._context import get_context
+
+        t = x["w"] if isinstance(x, dict) else x
+        return {"device": str(t.device), "sum": float(t.sum().item()), "path": get_context().last_fetch[0],
+                "current": torch.cuda.current_device()}
+
+    # ---- rdt_transports collectives inside the actor
+    def run_collectives(self, group, rank, world):
+        g, dev = group, torch.device("cuda", torch.cuda.current_device())
+        out = {}
+        x = torch.full((4,), float(rank + 1), device=dev)
+        rdt_transports.allreduce(x, g)
+        out["allreduce"] = x.tolist()
+        y = torch.full((4,), float(rank), device=dev)
+        rdt_transports.broadcast(y, 1, g)
+        out["broadcast"] = y.tolist()
+        lst = [torch.zeros(2, device=dev) for _ in range(world)]
+        rdt_transports.allgather(lst, torch.full((2,), float(rank), device=dev), g)
+        out["allgather"] = [t.tolist() for t in lst]
+        rs = torch.zeros(2, device=dev)
+        rdt_transports.reducescatter(rs, [torch.full((2,), float(r + 1), device=dev) for r in range(world)], g)
+        out["reducescatter"] = rs.tolist()
+        red = torch.full((2,), 2.0, device=dev)
+        rdt_transports.reduce(red, 0, g, rdt_transports.ReduceOp.MAX)
+        out["reduce"] = red.tolist()
+        gl = [torch.zeros(1, device=dev) for _ in range(world)] if rank == 0 else None
+        rdt_transports.gather(torch.full((1,), float(rank), device=dev), gl, 0, g)
+        out["gather"] = [t.tolist() for t in gl] if gl else None
+        sc = torch.zeros(1, device=dev)
+        rdt_transports.scatter(sc, [torch.full((1,), float(r * 10), device=dev) for r in range(world)]
+                               if rank == 0 else None, 0, g)
+        out["scatter"] = sc.tolist()
+        outs = [torch.zeros(1, device=dev) for _ in range(world)]
+        rdt_transports.alltoall(outs, [torch.full((1,), float(rank * 10 + j), device=dev) for j in range(world)], g)
+        out["alltoall"] = [t.tolist() for t in outs]
+        rdt_transports.barrier(g)
+        # both ranks send to each other at once, then receive: must not deadlock
+        peer = 1 - rank
+        buf = torch.zeros(N, device=dev)
+        import threading
+
+        t = threading.Thread(target=rdt_transports.send, args=(torch.full((N,), float(rank), device=dev), peer, g))
+        t.start()
+        rdt_transports.recv(buf, peer, g)
+        t.join()
+        out["exchange"] = float(buf[0].item())
+        return out
+
+    def recv_nothing(self, group):
+        try:
+            rdt_transports.recv(torch.zeros(4, device="cuda"), 1, group, timeout=3)
+        except rdt_transports.CollectiveTimeoutError as e:
+            return type(e).__name__
+        return "no error"
+
+
+@pytest.fixture(scope="module")
+def shared_gpu(ray_cluster):
+    """Two actors on one GPU (num_gpus=0.5 each)."""
+    a, b = GpuNode.remote(), GpuNode.remote()
+    yield a, b
+    ray.kill(a)
+    ray.kill(b)
+
+
+def test_cuda_ipc_copy_between_actors_on_one_gpu(shared_gpu):
+    a, b = shared_gpu
+    info = ray.get(b.describe.remote(a.make_ipc.remote(N, 2.0)), timeout=120)
+    assert info["path"] == "cuda_ipc"
+    assert info["device"] == f"cuda:{info['current']}"
+    assert info["sum"] == 2.0 * N
+
+
+def test_cuda_ipc_map(shared_gpu):
+    a, b = shared_gpu
+    info = ray.get(b.describe.remote(a.make_ipc_map.remote(N, 3.0)), timeout=120)
+    assert info["path"] == "cuda_ipc" and info["sum"] == 3.0 * N
+
+
+def test_auto_prefers_cuda_ipc_on_one_node(shared_gpu):
+    a, b = shared_gpu
+    info = ray.get(b.describe.remote(a.make_auto.remote(N, 1.5)), timeout=120)
+    assert info["path"] == "cuda_ipc" and info["sum"] == 1.5 * N
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'rdt[nixl]'")
+def test_nixl_vram_between_actors_on_one_gpu(shared_gpu):
+    a, b = shared_gpu
+    info = ray.get(b.describe.remote(a.make_nixl.remote(N, 4.0)), timeout=120)
+    assert info["path"] == "nixl" and info["device"].startswith("cuda") and info["sum"] == 4.0 * N
+
+
+def test_ray_get_of_gpu_object_on_the_driver(shared_gpu):
+    a, _ = shared_gpu
+    value = ray.get(a.make_ipc.remote(N, 5.0), timeout=120)
+    w = value["w"]
+    # The driver gets GPU objects on its current GPU when it has one (this test process does), else on CPU.
+    assert w.device.type == "cuda"
+    assert float(w.sum()) == 5.0 * N and value["b"].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("method", ["cuda_on_gloo", "cuda_on_shm"])
+def test_cuda_tensor_on_cpu_only_transport_fails(shared_gpu, method):
+    with pytest.raises(UnsupportedError, match="CPU tensors only"):
+        ray.get(getattr(shared_gpu[0], method).remote(), timeout=60)
+
+
+def test_cpu_only_backend_refuses_a_real_cuda_tensor():
+    from rdt_transports._tensors import check_tensor
+
+    with pytest.raises(rdt_transports.UnsupportedError, match="cannot move cuda tensors"):
+        check_tensor(torch.zeros(4, device="cuda"), what="tensor", devices=frozenset({"cpu"}), backend="gloo")
+
+
+@pytest.fixture(scope="module")
+def two_gpus(ray_cluster):
+    if N_GPUS < 2 or not HAS_CUPY:
+        pytest.skip("needs two CUDA GPUs and cupy")
+    a, b = (GpuNode.options(num_gpus=1).remote() for _ in range(2))
+    group = rdt_transports.create_collective_group([a, b], backend="nccl", group_name="nccl-test", timeout=120)
+    yield a, b, group
+    group.destroy()
+    ray.kill(a)
+    ray.kill(b)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+def test_nccl_collectives(two_gpus):
+    a, b, _ = two_gpus
+    r0, r1 = ray.get([a.run_collectives.remote("nccl-test", 0, 2), b.run_collectives.remote("nccl-test", 1, 2)],
+                     timeout=300)
+    assert r0["allreduce"] == r1["allreduce"] == [3.0] * 4
+    assert r0["broadcast"] == r1["broadcast"] == [1.0] * 4
+    assert r0["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
+    assert r0["reducescatter"] == [2.0, 2.0] and r1["reducescatter"] == [4.0, 4.0]
+    assert r0["reduce"] == [2.0, 2.0]
+    assert r0["gather"] == [[0.0], [1.0]]
+    assert r0["scatter"] == [0.0] and r1["scatter"] == [10.0]
+    assert r0["alltoall"] == [[0.0], [10.0]] and r1["alltoall"] == [[1.0], [11.0]]
+    assert r0["exchange"] == 1.0 and r1["exchange"] == 0.0
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+def test_nccl_object_transfer(two_gpus):
+    a, b, _ = two_gpus
+    info = ray.get(b.describe.remote(a.make_nccl.remote(N, 6.0)), timeout=120)
+    assert info["path"] == "nccl" and info["device"].startswith("cuda") and info["sum"] == 6.0 * N
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+def test_nccl_timeout_aborts_instead_of_hanging(ray_cluster):
+    a, b = (GpuNode.options(num_gpus=1).remote() for _ in range(2))
+    group = rdt_transports.create_collective_group([a, b], backend="nccl", group_name="nccl-timeout", timeout=120)
+    try:
+        assert ray.get(a.recv_nothing.remote("nccl-timeout"), timeout=60) == "CollectiveTimeoutError"
+    finally:
+        group.destroy()
+        ray.kill(a)
+        ray.kill(b)

@@ -1,0 +1,262 @@
+"""The GPU features' CPU-checkable parts: NCCL import/availability, transport choice and metadata for CUDA
+objects, cuda_ipc options, device errors at return time, and the p2p channel's device. No CUDA needed; the real
+data paths are in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pickle
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+import rdt
+import rdt_transports
+from rdt import _cuda_ipc, _fetch
+from rdt._flatten import BufferSpec
+from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
+from rdt.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedError
+
+NO_CUDA = not torch.cuda.is_available()
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _meta(device: str = "cuda:0", *, node: str = "node-A", nixl: bool = False, groups=(), ipc=None,
+          transport: str = "auto") -> ObjectMeta:
+    producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32, nixl)
+    return ObjectMeta(b"\x01" * 16, transport, producer, b"", (), (BufferSpec(1 << 20, device),), tuple(groups),
+                      None, cuda_ipc=ipc)
+
+
+def _ipc_info(uuid: str = "GPU-0000", map_: bool = False) -> _cuda_ipc.CudaIpcInfo:
+    buf = _cuda_ipc.IpcBuffer(uuid, 0, b"h" * 64, 1 << 21, 4096, b"/torch_1_2", 7, b"e" * 64, True, 128, 1 << 20)
+    return _cuda_ipc.CudaIpcInfo((buf,), map_)
+
+
+@pytest.fixture
+def same_node(monkeypatch):
+    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-A")
+
+
+# ------------------------------------------------------------------------------------------------ NCCL backend
+def test_nccl_module_imports_without_cupy_or_cuda():
+    before = set(sys.modules)
+    mod = importlib.import_module("rdt_transports.backends.nccl")
+    assert hasattr(mod, "NcclBackend")
+    if not HAS_CUPY:
+        assert "cupy" not in set(sys.modules) - before  # the import of cupy is lazy
+
+
+def test_nccl_capabilities_without_cuda():
+    caps = rdt_transports.capabilities("nccl")
+    assert caps.name == "nccl" and caps.devices == frozenset({"cuda"})
+    assert caps.can_abort and caps.two_sided and not caps.one_sided
+    assert {"allreduce", "broadcast", "reduce", "allgather", "reducescatter", "gather", "scatter", "alltoall",
+            "barrier"} <= caps.native_collectives
+    assert not caps.checks_p2p_sizes  # NCCL does not check sizes: the group adds its handshake
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the error on machines without CUDA")
+def test_nccl_backend_unavailable_before_rendezvous():
+    from rdt_transports.backends import BackendConfig
+    from rdt_transports.backends.nccl import NcclBackend, check_available
+
+    with pytest.raises(BackendUnavailableError) as ei:
+        check_available()
+    assert "rdt[gpu]" in str(ei.value) and "cupy" in str(ei.value) or "CUDA" in str(ei.value)
+
+    class Spy:
+        calls = []
+
+        def __getattr__(self, name):
+            Spy.calls.append(name)
+            raise AssertionError(f"rendezvous touched: {name}")
+
+    cfg = BackendConfig("g", "0" * 32, 0, 2, 5.0, b"s" * 32, Spy())
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError) as ei:
+        NcclBackend(cfg)
+    assert time.monotonic() - t0 < 2.0
+    assert Spy.calls == []
+    assert ei.value.hint and "pip install" in ei.value.hint
+
+
+def test_nccl_uid_encoding_accepts_bytes_and_tuples():
+    from rdt_transports.backends import nccl
+
+    raw = bytes(range(128))
+    assert nccl._encode_uid(raw) == raw
+    signed = tuple(((b + 128) % 256) - 128 for b in raw)
+    assert nccl._encode_uid(signed) == raw
+    assert nccl._decode_uid(raw) == raw
+    with pytest.raises(rdt_transports.CommunicationError):
+        nccl._decode_uid(b"short")
+
+
+def test_op_channel_device_follows_tensors_and_gpu_only_backends():
+    from rdt_transports.group import _device_of, _OpChannel
+    from rdt_transports.types import Capabilities
+
+    class FakeBackend:
+        capabilities = Capabilities(name="fake", devices=frozenset({"cuda"}))
+        device = 1
+        rank, world_size = 0, 2
+
+    class FakeGroup:
+        backend = FakeBackend()
+        rank, world_size = 0, 2
+
+    assert _OpChannel(FakeGroup(), 0, time.monotonic() + 1, "barrier").device == torch.device("cuda", 1)
+    t = torch.zeros(2)
+    assert _OpChannel(FakeGroup(), 0, time.monotonic() + 1, "allreduce", _device_of({"tensor": t})).device == t.device
+    assert _device_of({"outputs": [torch.zeros(1)], "root": 0}) == torch.device("cpu")
+    assert _device_of({}) is None
+
+
+# ------------------------------------------------------------------------------------------------ transport choice
+def test_choose_path_prefers_cuda_ipc_on_one_node(same_node, monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
+    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "cuda_ipc"
+
+
+def test_choose_path_gpu_order_without_ipc(same_node, monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})  # producer's GPU not visible here
+    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: True)
+    assert _fetch.choose_path(_meta(ipc=_ipc_info(), nixl=True)) == "nixl"
+    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: False)
+    ref = GroupRef("u" * 32, "g", "nccl", 0)
+    monkeypatch.setattr(_fetch, "_common_group",
+                        lambda meta, backends: (object(), ref) if "nccl" in backends else None)
+    assert _fetch.choose_path(_meta(ipc=_ipc_info(), nixl=True, groups=[ref])) == "nccl"
+    monkeypatch.setattr(_fetch, "_common_group", lambda meta, backends: None)
+    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "object_store"
+
+
+def test_choose_path_gpu_other_node_skips_ipc(monkeypatch):
+    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-B")
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
+    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: False)
+    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "object_store"
+
+
+def test_choose_path_cpu_order_unchanged(same_node):
+    assert _fetch.choose_path(_meta("cpu")) == "shm"
+
+
+def test_gpu_objects_come_to_cpu_in_a_process_without_cuda(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: None)
+    assert _fetch._consumer_device(_meta()) == torch.device("cpu")
+    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: torch.device("cuda", 0))
+    assert _fetch._consumer_device(_meta()) == torch.device("cuda", 0)
+    assert _fetch._consumer_device(_meta("cpu")) == torch.device("cpu")
+
+
+def test_explicit_cuda_ipc_checks_before_anything_moves(same_node, monkeypatch):
+    meta = _meta(ipc=_ipc_info(), transport="cuda_ipc")
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})
+    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(_fetch, "_in_actor", lambda: True)
+    with pytest.raises(UnsupportedError) as ei:
+        _fetch._check_cuda_ipc(meta)
+    assert "not visible" in str(ei.value) and ei.value.hint
+    monkeypatch.setattr(_fetch, "_in_actor", lambda: False)  # the driver: through host memory instead
+    assert _fetch._check_cuda_ipc(meta) == "object_store"
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 3})
+    assert _fetch._check_cuda_ipc(meta) == "cuda_ipc"
+    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-B")
+    monkeypatch.setattr(_fetch, "_in_actor", lambda: True)
+    with pytest.raises(UnsupportedError, match="another node"):
+        _fetch._check_cuda_ipc(meta)
+
+
+# ------------------------------------------------------------------------------------------------ metadata
+def test_cuda_ipc_metadata_encoding():
+    info = _ipc_info(map_=True)
+    back = pickle.loads(pickle.dumps(info))
+    assert back == info and back.map is True and back.uuids() == ("GPU-0000",)
+    b = back.buffers[0]
+    assert (b.storage_offset, b.buffer_offset, b.nbytes, b.event_sync_required) == (4096, 128, 1 << 20, True)
+    fields = [f.name for f in dataclasses.fields(ObjectMeta)]
+    assert fields[-1] == "cuda_ipc"  # appended at the end, with a default: old positional constructions still work
+    assert _meta().cuda_ipc is None and _meta(ipc=info).cuda_ipc is info
+
+
+def test_cuda_ipc_can_open_needs_every_gpu(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
+    assert _cuda_ipc.can_open(_ipc_info())
+    assert not _cuda_ipc.can_open(_ipc_info("GPU-9999"))
+    assert not _cuda_ipc.can_open(None)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only answer")
+def test_no_visible_gpus_without_cuda():
+    assert _cuda_ipc.visible_devices() == {} and _cuda_ipc.target_device() is None
+
+
+def test_ipc_map_option_validation():
+    rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)
+    rdt.tensor_method(tensor_transport="auto", ipc_map=True)
+    with pytest.raises(InvalidArgumentError, match="ipc_map"):
+        rdt.tensor_method(tensor_transport="gloo", ipc_map=True)
+    with pytest.raises(InvalidArgumentError, match="ipc_map"):
+        rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map="yes")
+
+
+# ------------------------------------------------------------------------------------------------ real actors
+@ray.remote
+class CpuNode:
+    @rdt.tensor_method(tensor_transport="nccl")
+    def cpu_on_nccl(self):
+        return torch.ones(4)
+
+    @rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)
+    def cpu_on_cuda_ipc(self):
+        return {"w": torch.ones(4)}
+
+    def join_nccl(self):
+        try:
+            rdt_transports.init_collective_group(2, 0, backend="nccl", group_name="cpu-nccl", timeout=5)
+        except BackendUnavailableError as e:
+            return type(e).__name__, str(e)
+        return None, ""
+
+    def groups(self):
+        from rdt_transports._context import get_context
+
+        return get_context().names()
+
+
+@pytest.fixture(scope="module")
+def cpu_nodes(ray_cluster):
+    actors = [CpuNode.remote() for _ in range(2)]
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("method", ["cpu_on_nccl", "cpu_on_cuda_ipc"])
+def test_cpu_tensor_on_gpu_only_transport_fails_in_the_actor(cpu_nodes, method):
+    ref = getattr(cpu_nodes[0], method).remote()
+    with pytest.raises(UnsupportedError) as ei:
+        ray.get(ref, timeout=60)
+    assert "CUDA tensors only" in str(ei.value)
+    assert ei.value.hint and ".cuda()" in ei.value.hint
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only failure")
+def test_create_nccl_group_on_cpu_fails_fast(cpu_nodes):
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError) as ei:
+        rdt_transports.create_collective_group(cpu_nodes, backend="nccl", group_name="cpu-nccl", timeout=20)
+    assert time.monotonic() - t0 < 15  # no rendezvous wait
+    msg = str(ei.value)
+    assert "rank 0" in msg and "rank 1" in msg and "pip install" in msg
+    assert ray.get([a.groups.remote() for a in cpu_nodes]) == [[], []]  # nobody joined anything
+    name, text = ray.get(cpu_nodes[0].join_nccl.remote(), timeout=30)
+    assert name == "BackendUnavailableError" and "rdt[gpu]" in text
