@@ -91,10 +91,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def read_frame(sock: socket.socket) -> bytes:
-    (length,) = struct.unpack("!I", _recv_exact(sock, 4))
-    if length > MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes is over the limit")
-    return _recv_exact(sock, length)
+    """One frame body; ConnectionError if the peer closed between frames, ProtocolError if it closed mid-frame."""
+    first = sock.recv(4)
+    if not first:
+        raise ConnectionError("connection closed")
+    try:
+        (length,) = struct.unpack("!I", first + _recv_exact(sock, 4 - len(first)))
+        if length > MAX_FRAME:
+            raise ProtocolError(f"frame of {length} bytes is over the limit")
+        return _recv_exact(sock, length)
+    except ConnectionError as e:
+        raise ProtocolError(f"truncated frame: {e}") from e
 
 
 Handler = Callable[[int, bytes], Tuple[int, bytes]]  # (key_id, payload) -> (resp type, resp payload)

@@ -67,6 +67,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _to_torch(obj: Any) -> Optional[Tuple[torch.Tensor, int]]:
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_nested:
+            from rdt_transports.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"rdt moves dense (strided) tensors only, but the value holds a {obj.layout} "
+                f"{'nested ' if obj.is_nested else ''}tensor",
+                hint="return t.to_dense() (or the sparse tensor's indices() and values()) instead",
+            )
         if isinstance(obj, torch.nn.Parameter):
             return obj.detach(), KIND_PARAMETER
         return obj, KIND_TORCH
@@ -114,7 +122,15 @@ def flatten(value: Any) -> Flattened:
     """Find every tensor in ``value``; views of one storage share a buffer."""
     found = _Collector()
     out = io.BytesIO()
-    _Pickler(out, found).dump(value)
+    try:
+        _Pickler(out, found).dump(value)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        from rdt_transports.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"the value cannot be pickled around its tensors: {type(e).__name__}: {e}",
+            hint="return tensors plus picklable objects only (no locks, sockets, open files, generators)",
+        ) from e
     specs: List[TensorSpec] = []
     buffers: List[torch.Tensor] = []
     spans: Dict[Tuple[str, int], List[int]] = {}  # storage key -> [min_byte, max_byte, buffer index]
@@ -149,7 +165,12 @@ def flatten(value: Any) -> Flattened:
         span = spans[key]
         rel = start - span[0]
         if rel % t.element_size():
-            raise ValueError("a tensor view is not aligned to its dtype inside its storage; pass a .clone()")
+            from rdt_transports.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"a {t.dtype} view starts {rel} bytes into the span of its storage, not a multiple of its element "
+                "size", hint="return a .clone() of that view (or views of one dtype only)",
+            )
         specs.append(TensorSpec(span[2], _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()),
                                 rel // t.element_size(), kind, rg))
     return Flattened(out.getvalue(), specs, buffers, found.leaves)

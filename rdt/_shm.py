@@ -20,7 +20,7 @@ import torch
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
 ALIGN = 256
-_NAME_RE = re.compile(r"^rdt-(\d+)-[0-9a-f]{32}$")
+_NAME_RE = re.compile(r"rdt-([0-9]+)-[0-9a-f]{32}")  # used with fullmatch: no trailing newline, ASCII digits
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def write_segment(buffers: Sequence[torch.Tensor]) -> Segment:
 
 def map_segment(name: str, layout: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:
     """Map a segment copy-on-write and return one uint8 tensor per buffer (no copy until written)."""
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise FileNotFoundError(f"not an rdt segment name: {name!r}")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     try:
@@ -91,7 +91,7 @@ def reap_dead_owners() -> int:
     except OSError:
         return 0
     for name in names:
-        m = _NAME_RE.match(name)
+        m = _NAME_RE.fullmatch(name)
         if not m:
             continue
         if not pid_alive(int(m.group(1))):
@@ -102,7 +102,7 @@ def reap_dead_owners() -> int:
 
 def owner_alive(name: str) -> bool:
     """Whether the process that wrote segment ``name`` still runs (on this node)."""
-    m = _NAME_RE.match(name)
+    m = _NAME_RE.fullmatch(name)
     return bool(m) and pid_alive(int(m.group(1)))
 
 
