@@ -62,6 +62,9 @@ ALL_OPS = (
 )
 
 
+COLLECTIVE_OPS = frozenset(ALL_OPS) - {"send", "recv"}
+
+
 def to_seconds(timeout: Timeout, default: float) -> float:
     """Normalise a timeout given as seconds or timedelta; None means the default."""
     if timeout is None:

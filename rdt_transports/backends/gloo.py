@@ -26,7 +26,7 @@ from ..errors import (
     PeerUnavailableError,
     TensorMismatchError,
 )
-from ..types import Capabilities, ReduceOp
+from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
 from ._shm_allreduce import ShmAllreduce
 from .base import Backend, BackendConfig, NativeCollectives, Work
 
@@ -190,10 +190,7 @@ class GlooBackend(Backend):
         devices=frozenset({"cpu"}),
         two_sided=True,
         one_sided=False,
-        native_collectives=frozenset(
-            {"broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter", "alltoall",
-             "barrier"}
-        ),
+        native_collectives=COLLECTIVE_OPS,
         native_reduce_ops=frozenset(ReduceOp),
         can_abort=True,
         checks_p2p_sizes=False,  # Gloo truncates or aborts the process on a size mismatch

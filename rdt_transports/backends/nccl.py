@@ -72,7 +72,7 @@ from ..errors import (
     InvalidArgumentError,
     PeerUnavailableError,
 )
-from ..types import Capabilities, ReduceOp
+from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
 from .base import Backend, BackendConfig, NativeCollectives, Work
 
 logger = logging.getLogger(__name__)
@@ -318,10 +318,7 @@ class NcclBackend(Backend):
         devices=frozenset({"cuda"}),
         two_sided=True,
         one_sided=False,
-        native_collectives=frozenset(
-            {"broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter", "alltoall",
-             "barrier"}
-        ),
+        native_collectives=COLLECTIVE_OPS,
         native_reduce_ops=frozenset(ReduceOp),
         can_abort=True,
         checks_p2p_sizes=False,
