@@ -14,6 +14,7 @@ import os
 import secrets
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -102,6 +103,7 @@ class RdtContext:
         self._pending_sends: List[Any] = []
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
+        self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
         _shm.reap_dead_owners()
         atexit.register(self.shutdown)  # unlink our shm segments, deregister NIXL memory
         threading.Thread(target=self._reap_loop, name="rdt-reaper", daemon=True).start()

@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 import weakref
+from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, List, Optional, Tuple
 
 import ray
@@ -231,13 +232,21 @@ def _check_cuda_ipc(meta: ObjectMeta) -> str:
     )
 
 
-def _producer_alive(ctx: Any, meta: ObjectMeta) -> bool:
+def _producer_alive(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> bool:
+    """False only on proof of death: the pid is gone (same node) or nothing listens on its control port.
+
+    A ping that times out means stuck or slow, not dead (a stopped process answers nothing but is alive).
+    """
+    if meta.producer.node_id == _node_id() and not _shm.pid_alive(meta.producer.pid):
+        return False
     try:
         ctx.client.request(meta.producer.control_address, _control.REQ_PING, _control.KEY_PROCESS,
-                           meta.producer.process_key, b"", 2.0)
+                           meta.producer.process_key, b"", ping_timeout)
         return True
-    except Exception:
+    except ConnectionRefusedError:
         return False
+    except Exception:
+        return True
 
 
 def _died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:
@@ -256,7 +265,14 @@ def _control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: byt
     except (ConnectionError, OSError) as e:
         if isinstance(e, TimeoutError):
             raise
-        raise _died(meta, e) from e
+        if isinstance(e, ConnectionRefusedError) or not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
+        # Alive but it dropped the request: e.g. it left the group whose secret signed it.
+        raise ObjectFetchError(
+            f"the producer of {meta.describe()} is alive but refused the request ({e})", object_id=meta.id_hex,
+            hint="the producer may have left the group the object was made in; re-create the group or use "
+            "tensor_transport='auto'",
+        ) from e
     if resp_type == _control.RESP_OK:
         return resp
     code = struct.unpack_from("!H", resp)[0] if len(resp) >= 2 else 0
@@ -319,8 +335,7 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
     bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
-        for w in works:
-            w.wait(max(deadline - time.monotonic(), 1e-3))
+        _wait_watching_producer(ctx, meta, works, deadline)
     except CollectiveTimeoutError as e:
         group._mark_errored(e)
         raise TimeoutError(str(e)) from e
@@ -331,6 +346,23 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
         raise ObjectFetchError(f"receiving {meta.describe()} over group {group.name!r} failed: {e}",
                                object_id=meta.id_hex) from e
     return bufs
+
+
+def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadline: float) -> None:
+    """Wait for posted receives while checking, every half second, that the producer still lives.
+
+    A two-sided receive does not notice a sender that dies mid-message (TCP may stay half-open), so without
+    this the consumer would sit out the whole transfer timeout.
+    """
+    def wait_all() -> None:
+        for w in works:
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+
+    future = ctx.waiters.submit(wait_all)
+    while not futures_wait([future], timeout=0.5).done:
+        if not _producer_alive(ctx, meta, ping_timeout=0.5):
+            raise _died(meta, ConnectionError("the producer died during the transfer"))
+    future.result()
 
 
 def _fetch_nixl(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:

@@ -100,4 +100,12 @@ def _as_ray_error(err: BaseException) -> Any:
     import ray.exceptions
 
     tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    # The tracebacks hold this frame, whose locals hold the object's lifetime token: drop them (the text above
+    # keeps the information) so that a failed fetch cannot keep the object alive until a GC cycle.
+    seen = set()
+    e: Any = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
     return ray.exceptions.RayTaskError("rdt: fetching an object's tensors", tb, err, pid=os.getpid())

@@ -260,6 +260,12 @@ class CollectiveGroup:
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
                 self._mark_errored(e)
                 dead = self.dead_ranks()
+                # A closed connection usually means a death the GCS has not recorded yet: ask again briefly.
+                for _ in range(10 if isinstance(e, PeerUnavailableError) and not dead else 0):
+                    time.sleep(0.2)
+                    dead = self.dead_ranks()
+                    if dead:
+                        break
             if dead or e.group != self.name or e.op != op or e.rank != self.rank:  # name the user's op and the dead
                 message = e.message + (f" (dead member rank(s): {dead})" if dead else "")
                 new = type(e)(
