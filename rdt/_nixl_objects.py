@@ -69,6 +69,10 @@ class NixlAgent:
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.lock = threading.Lock()
         self._remotes: set = set()
+        # Transfers that timed out but may still be moving data: their destination buffers and registrations
+        # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
+        # memory).
+        self.parked: List[Tuple[Any, Any, List[torch.Tensor]]] = []
         threading.Thread(target=self._progress, name="rdt-nixl-progress", daemon=True).start()
 
     def _progress(self, period: float = 0.002) -> None:
@@ -77,8 +81,28 @@ class NixlAgent:
             try:
                 with self.lock:
                     self.agent.get_new_notifs()
+                    if self.parked:
+                        self._reap_parked()
             except Exception:  # agent torn down at exit
                 return
+
+    def _reap_parked(self) -> None:
+        """Release parked transfers that are no longer in progress (called with the lock held)."""
+        still = []
+        for handle, reg, dst in self.parked:
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception:
+                state = "ERR"
+            if state == "PROC":
+                still.append((handle, reg, dst))
+                continue
+            for release in (handle.release, lambda: self.agent.deregister_memory(reg)):
+                try:
+                    release()
+                except Exception:
+                    pass
+        self.parked = still
 
     def ensure_remote(self, name: str, md: bytes) -> None:
         """Load (or extend) what we know of a remote agent; loading partial metadata again is cheap (~1 µs)."""
@@ -185,6 +209,7 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
     with ag.lock:
         reg = ag.agent.register_memory(dst)
+    handle = None
     try:
         with ag.lock:
             local = ag.agent.get_xfer_descs(dst)
@@ -197,6 +222,9 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
             delay = 1e-5
             while state == "PROC":
                 if time.monotonic() > deadline:
+                    with ag.lock:  # may still complete later: keep its memory until it does
+                        ag.parked.append((handle, reg, dst))
+                    handle = reg = None
                     raise TimeoutError(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
@@ -205,12 +233,14 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
             if state != "DONE":
                 raise RuntimeError(f"NIXL READ from {info.agent} failed (state {state}); the producer may have died")
         finally:
-            try:
-                with ag.lock:
-                    handle.release()
-            except Exception:
-                pass
+            if handle is not None:
+                try:
+                    with ag.lock:
+                        handle.release()
+                except Exception:
+                    pass
     finally:
-        with ag.lock:
-            ag.agent.deregister_memory(reg)
+        if reg is not None:
+            with ag.lock:
+                ag.agent.deregister_memory(reg)
     return dst
