@@ -340,40 +340,33 @@ class CollectiveGroup:
             body = lambda d: self._checked_recv(t, src, tag, d)  # noqa: E731
         self._run("recv", timeout, body, _nbytes(t), peer=src)
 
-    # A size/dtype handshake for backends that cannot detect a mismatch (Gloo truncates, or aborts the receiving
-    # process): header -> ack/nack -> data. Tags: the p2p tag's payload times 4 plus 0 (header), 1 (ack), 2 (data).
+    # A size/dtype header for backends that cannot detect a mismatch (Gloo truncates, or aborts the receiving
+    # process): the sender posts header and data back to back (no round trip); the receiver checks the header
+    # and, on a mismatch, drains the data into scratch memory and raises, so neither side hangs or crashes.
+    # Tags: the p2p tag's payload times 4 plus 0 (header) or 2 (data).
     def _sub(self, tag: int, kind: int) -> int:
         return make_tag(TAG_P2P, ((tag & _PAYLOAD_MASK) << 2 | kind) & _PAYLOAD_MASK)
 
     def _checked_send(self, t: torch.Tensor, dst: int, tag: int, deadline: float) -> None:
-        header = _describe(t)
-        ack = torch.zeros(3, dtype=torch.int64)
-        w_ack = self.backend.irecv(ack, dst, self._sub(tag, 1))
-        self.backend.isend(header, dst, self._sub(tag, 0)).wait(_left(deadline))
-        w_ack.wait(_left(deadline))
-        if int(ack[0]) != 1:
-            raise TensorMismatchError(
-                f"the receiver expects {int(ack[1])} bytes of {_DTYPES[int(ack[2])]} but this rank sends "
-                f"{_nbytes(t)} bytes of {t.dtype}", peer=dst, op="send",
-                hint="make the recv tensor the same size and dtype as the sent tensor",
-            )
-        self.backend.isend(t, dst, self._sub(tag, 2)).wait(_left(deadline))
+        w_header = self.backend.isend(_describe(t), dst, self._sub(tag, 0))
+        w_data = self.backend.isend(t, dst, self._sub(tag, 2))
+        w_header.wait(_left(deadline))
+        w_data.wait(_left(deadline))
 
     def _checked_recv(self, t: torch.Tensor, src: int, tag: int, deadline: float) -> None:
         header = torch.zeros(3, dtype=torch.int64)
         self.backend.irecv(header, src, self._sub(tag, 0)).wait(_left(deadline))
-        mine = _describe(t)
-        ok = bool(torch.equal(header[1:], mine[1:]))
-        reply = mine.clone()
-        reply[0] = 1 if ok else 0
-        self.backend.isend(reply, src, self._sub(tag, 1)).wait(_left(deadline))
-        if not ok:
-            raise TensorMismatchError(
-                f"the sender sends {int(header[1])} bytes of {_DTYPES[int(header[2])]} but this rank receives into "
-                f"{_nbytes(t)} bytes of {t.dtype}", peer=src, op="recv",
-                hint="make the recv tensor the same size and dtype as the sent tensor",
-            )
-        self.backend.irecv(t, src, self._sub(tag, 2)).wait(_left(deadline))
+        nbytes, code = int(header[1]), int(header[2])
+        if nbytes == _nbytes(t) and 0 <= code < len(_DTYPES) and _DTYPES[code] == t.dtype:
+            self.backend.irecv(t, src, self._sub(tag, 2)).wait(_left(deadline))
+            return
+        scratch = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+        self.backend.irecv(scratch, src, self._sub(tag, 2)).wait(_left(deadline))
+        sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype code {code}"
+        raise TensorMismatchError(
+            f"the sender sent {nbytes} bytes of {sent} but this rank receives into {_nbytes(t)} bytes of {t.dtype}",
+            peer=src, op="recv", hint="make the recv tensor the same size and dtype as the sent tensor",
+        )
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, name: str, algorithm: str, timeout: Timeout, nbytes: int, **kw: Any) -> None:
