@@ -100,7 +100,6 @@ class RdtContext:
         self._producer: Optional[ProducerInfo] = None
         self._tokens: Optional[_TokenPool] = None
         self._tag_counters: Dict[str, int] = {}
-        self._pending_sends: List[Any] = []
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")

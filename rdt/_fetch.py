@@ -62,7 +62,6 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     buffers, path = fetch_buffers(ctx, meta)
     elapsed = time.monotonic() - start
     ctx.stats.add(path, "in", meta.nbytes, elapsed)
-    ctx.last_fetch = (path, elapsed)
     logger.debug("rdt: fetched object=%s producer=%s transport=%s bytes=%d in %.4fs", meta.id_hex,
                  meta.producer.actor_id[:12], path, meta.nbytes, elapsed)
     leaves = [leaf_from_buffer(s, buffers) for s in meta.specs]
