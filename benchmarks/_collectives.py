@@ -29,7 +29,7 @@ class BenchConfig:
     iters: Optional[int] = None
     warmup: Optional[int] = None
     bytes_budget: int = 256 << 20  # per (impl, size): iterations = budget / size, clamped
-    min_iters: int = 3
+    min_iters: int = 7  # large sizes: fewer than this and one slow iteration on 2 shared cores moves the median
     max_iters: int = 50
     group_timeout: float = 30.0
 
@@ -38,7 +38,7 @@ class BenchConfig:
         if self.quick:
             return (self.warmup if self.warmup is not None else 1), (self.iters or 3)
         iters = self.iters or max(self.min_iters, min(self.max_iters, self.bytes_budget // max(nbytes, 1)))
-        warmup = self.warmup if self.warmup is not None else (1 if nbytes >= (16 << 20) else 3)
+        warmup = self.warmup if self.warmup is not None else (2 if nbytes >= (16 << 20) else 3)
         return warmup, iters
 
     def op_timeout(self, nbytes: int) -> float:

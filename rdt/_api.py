@@ -38,7 +38,10 @@ def _local_stats(_actor: Any = None) -> Dict[str, Any]:
         "bytes": ctx.table.nbytes(),
         "freed": ctx.table.freed,
         "transfers": ctx.stats.snapshot(),
-        "shm_segments": len(_shm.segments_of(os.getpid())),
+        "shm_segments": len(set(_shm.segments_of(os.getpid())) - set(ctx.shm_pool.names())),
+        "shm_pool": {"segments": len(ctx.shm_pool.names()), "bytes": ctx.shm_pool.nbytes(),
+                     "hits": ctx.shm_pool.hits, "misses": ctx.shm_pool.misses},
+        "recv_pool": {"bytes": ctx.buffers.idle_bytes(), "hits": ctx.buffers.hits, "misses": ctx.buffers.misses},
         "control_rejected": ctx._server.rejected if ctx._server is not None else 0,
     }
 
@@ -55,7 +58,8 @@ def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
     return ray.get(actor.__ray_call__.remote(_local_stats), timeout=timeout)
 
 
-def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None) -> None:
+def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
+              pool_bytes: Optional[int] = None) -> None:
     """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide)."""
     from ._context import get_context
 
@@ -72,4 +76,13 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"inline_threshold must be an int >= 0 (bytes), got {inline_threshold!r}",
                                        hint="pass e.g. rdt.configure(inline_threshold=0) to never inline")
         changes["inline_threshold"] = int(inline_threshold)
+    if pool_bytes is not None:
+        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
+            raise InvalidArgumentError(f"pool_bytes must be an int >= 0 (bytes), got {pool_bytes!r}",
+                                       hint="pass e.g. rdt.configure(pool_bytes=0) to keep no idle memory for reuse")
+        changes["pool_bytes"] = int(pool_bytes)
+        for pool in (ctx.shm_pool, ctx.buffers):
+            pool.max_bytes = int(pool_bytes)
+            if pool_bytes == 0:
+                pool.close()
     ctx.config = ctx.config.updated(**changes)

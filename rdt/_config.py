@@ -23,12 +23,18 @@ class RdtConfig:
     transfer_timeout: float = 60.0  # seconds a consumer waits for an object's tensors (env RDT_TRANSFER_TIMEOUT_S)
     inline_threshold: int = 64 * 1024  # objects up to this many bytes travel inside the metadata (RDT_INLINE_BYTES)
     token_pool_size: int = 32  # lifetime tokens made ahead of time off the critical path
+    # Idle memory kept for reuse, per process and per pool (a producer's freed shm segments, a consumer's receive
+    # buffers): at most pool_bytes (RDT_POOL_BYTES), each for pool_ttl seconds (RDT_POOL_TTL_S).
+    pool_bytes: int = 1 << 30
+    pool_ttl: float = 30.0
 
     @classmethod
     def from_env(cls) -> "RdtConfig":
         return cls(
             transfer_timeout=_env_float("RDT_TRANSFER_TIMEOUT_S", cls.transfer_timeout),
             inline_threshold=int(_env_float("RDT_INLINE_BYTES", cls.inline_threshold)),
+            pool_bytes=int(_env_float("RDT_POOL_BYTES", cls.pool_bytes)),
+            pool_ttl=_env_float("RDT_POOL_TTL_S", cls.pool_ttl),
         )
 
     def updated(self, **changes: object) -> "RdtConfig":

@@ -24,6 +24,8 @@ from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.group import TAG_OBJECT, make_tag
 
 from . import _control, _shm
+from ._alloc import BufferPool
+from ._shm_pool import SegmentPool
 from ._config import RdtConfig
 from ._flatten import flatten, leaf_from_buffer
 from ._meta import GroupRef, ObjectMeta, ProducerInfo
@@ -102,19 +104,28 @@ class RdtContext:
         self._tag_counters: Dict[str, int] = {}
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
+        self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
+        self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
+        self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
         _shm.reap_dead_owners()
         atexit.register(self.shutdown)  # unlink our shm segments, deregister NIXL memory
         threading.Thread(target=self._reap_loop, name="rdt-reaper", daemon=True).start()
 
     def _reap_loop(self, period: float = 30.0) -> None:
-        """Unlink shm segments left by processes on this node that died (killed before they could clean up)."""
+        """Unlink shm segments left by processes on this node that died (killed before they could clean up), and
+        our own pooled segments that waited too long for reuse."""
         import time
 
+        last_reap = time.monotonic()
         while True:
-            time.sleep(period)
+            time.sleep(min(period, max(self.shm_pool.ttl / 2, 1.0)))
             try:
-                _shm.reap_dead_owners()
+                self.shm_pool.trim()
+                self.buffers.trim()
+                if time.monotonic() - last_reap >= period:
+                    last_reap = time.monotonic()
+                    _shm.reap_dead_owners()
             except Exception:  # never let the reaper die on a transient error
                 logger.debug("rdt: shm reaper failed", exc_info=True)
 
@@ -189,7 +200,7 @@ class RdtContext:
         entry = Entry(obj_id, flat, transport)
         shm = nixl = store_ref = None
         if transport == "shm":
-            shm = entry.shm = _shm.write_segment(flat.buffers)
+            shm = entry.shm = self.shm_pool.write(flat.buffers, obj_id)
         elif transport == "nixl":
             from . import _nixl_objects
 
@@ -214,7 +225,7 @@ class RdtContext:
 
     def _release(self, entry: Entry) -> None:
         if entry.shm is not None:
-            _shm.unlink(entry.shm.name)
+            self.shm_pool.release(entry.shm)
         if entry.nixl is not None:
             from . import _nixl_objects
 
@@ -265,7 +276,7 @@ class RdtContext:
             return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
         with entry.lock:
             if entry.shm is None:
-                entry.shm = _shm.write_segment([b.cpu() for b in entry.buffers])
+                entry.shm = self.shm_pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
         self.stats.add("shm", "out", entry.nbytes)
         seg = entry.shm
         body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
@@ -294,6 +305,8 @@ class RdtContext:
             self.table.clear()
         except Exception:
             pass
+        self.shm_pool.close()
+        self.buffers.close()
         for name in _shm.segments_of(os.getpid()):
             _shm.unlink(name)
         if self._server is not None:

@@ -290,14 +290,18 @@ def _fetch_shm(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]
         name, _, body = resp.partition(b"\0")
         (n,) = struct.unpack_from("!I", body)
         layout = [struct.unpack_from("!QQ", body, 4 + 16 * i) for i in range(n)]
-        return _shm.map_segment(name.decode(), layout)
+        return _map_shm(ctx, meta, name.decode(), layout)
     if not _shm.owner_alive(seg.name):  # same node, so the pid in the name is meaningful
         _shm.unlink(seg.name)
         raise _died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
+    return _map_shm(ctx, meta, seg.name, seg.layout)
+
+
+def _map_shm(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tensor]:
     try:
-        return _shm.map_segment(seg.name, seg.layout)
+        return _shm.map_segment(name, layout, meta.obj_id, ctx.unmapper)
     except FileNotFoundError as e:
-        if _producer_alive(ctx, meta):
+        if isinstance(e, _shm.SegmentReused) or _producer_alive(ctx, meta):
             raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched", object_id=meta.id_hex,
                                    hint="keep a reference to the ObjectRef until every consumer has run") from e
         raise _died(meta, e) from e
@@ -331,7 +335,8 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
     _control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                      payload, timeout)
     device = _consumer_device(meta)
-    bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
+    bufs = [ctx.buffers.empty(b.nbytes) if device.type == "cpu"
+            else torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
         _wait_watching_producer(ctx, meta, works, deadline)

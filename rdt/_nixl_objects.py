@@ -205,7 +205,8 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
     """
     ag = agent(ctx)
     ag.ensure_remote(info.agent, info.agent_md)
-    dst = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in info.descs]
+    dst = [ctx.buffers.empty(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
+           for _, n, _ in info.descs]
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
     with ag.lock:
         reg = ag.agent.register_memory(dst)
