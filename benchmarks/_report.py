@@ -196,3 +196,34 @@ def format_targets(targets: List[Dict[str, Any]]) -> str:
     """Targets as text lines."""
     return "\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['target']:<60} median {t['ratio']:.2f}x  best-of "
                      f"{t['ratio_best']:.2f}x" for t in targets)
+
+
+def format_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], sizes: List[int]) -> str:
+    """The run as Markdown (machine, targets, one table per suite and world size), for docs/benchmarks.md."""
+    m = meta.get("machine", {})
+    out = [f"Run of {m.get('date', '?')} on {m.get('cpu_model', '?')} ({m.get('cpu_cores', '?')} cores), Python "
+           f"{m.get('python', '?')}, torch {m.get('torch', '?')}, Ray {m.get('ray', '?')}; load average at start "
+           f"{m.get('loadavg_at_start', ['?'])[0]:.2f}; elapsed {meta.get('elapsed_s', '?')} s.", ""]
+    targets = meta.get("targets") or []
+    if targets:
+        out += ["| target | status | median | best-of | needed |", "|---|---|---|---|---|"]
+        for t in targets:
+            out.append(f"| {t['target']} | {'met' if t['met'] else '**missed**'} | {t['ratio']:.2f}x | "
+                       f"{t['ratio_best']:.2f}x | {t['required']}x |")
+        out.append("")
+    cells: Dict[Tuple[str, int, str], Dict[Optional[int], Dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        cells[_key(r)][r.get("size")] = r
+    order: Dict[Tuple[str, int], List[str]] = defaultdict(list)
+    for suite, ws, impl in cells:
+        if impl not in order[(suite, ws)]:
+            order[(suite, ws)].append(impl)
+    for (suite, ws), impls in order.items():
+        out += [f"### {suite} ({ws} actors)", "", "| implementation | " + " | ".join(fmt_size(x) for x in sizes)
+                + " |", "|---|" + "---|" * len(sizes)]
+        for impl in impls:
+            by_size = cells[(suite, ws, impl)]
+            out.append(f"| {impl} | " + " | ".join(_cell(by_size.get(x), suite).replace("us", "µs") for x in sizes)
+                       + " |")
+        out.append("")
+    return "\n".join(out)

@@ -22,7 +22,8 @@ from ._baselines import baseline_impls
 from ._cluster import ActorPool, env_mismatch, log, start_ray
 from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
 from ._objects import object_targets, objects_suite
-from ._report import check_targets, compare, format_table, format_targets, machine_info, write_json, write_png
+from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
+                      write_png)
 
 DEFAULT_SIZES = "4K,1M,16M,128M"
 QUICK_SIZES = "4K,64K"
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows)
     write_json(json_path, meta, rows)
+    json_path.with_suffix(".md").write_text(format_markdown(meta, rows, sizes) + "\n")
     png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows)
     print(format_table(rows, sizes))
     ratios = compare(rows)
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     load = meta["machine"]["loadavg_at_start"][0]
     if load > (os.cpu_count() or 1):
         print(f"\nwarning: load average was {load:.1f} on {os.cpu_count()} cores at start: timings are noisy")
-    print(f"\nJSON: {json_path}" + (f"\nPNG:  {png}" if png else "") + f"\nelapsed: {meta['elapsed_s']} s")
+    print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
+          + f"\nelapsed: {meta['elapsed_s']} s")
     return 0 if any("error" not in r for r in rows) else 1
 
 

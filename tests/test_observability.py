@@ -71,7 +71,8 @@ def test_transfer_and_collective_metrics_reach_prometheus(actors):
         text = _scrape()
         ok = (_value(text, "ray_rdt_transfers_total", transport="gloo", direction="in") >= 3
               and _value(text, "ray_rdt_transfers_total", transport="gloo", direction="out") >= 3
-              and _value(text, "ray_rdt_collective_ops_total", backend="gloo", op="allreduce", status="ok") >= 2)
+              and _value(text, "ray_rdt_collective_ops_total", backend="gloo", op="allreduce", status="ok") >= 2
+              and re.search(r"^ray_rdt_objects_held\{", text, re.M) is not None)  # gauges are exported separately
         return text if ok else ""
 
     text = wait_for(ready, timeout=60, interval=1.0)
