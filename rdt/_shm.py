@@ -29,12 +29,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from rdt_transports._proc import pid_alive  # rdt's modules and tests check liveness through _shm
+
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
 ALIGN = 256
 HEADER = ALIGN  # b"rdtseg1\0" + the 16-byte object id, padded to ALIGN
 MAGIC = b"rdtseg1\0"
 _NAME_RE = re.compile(r"rdt-([0-9]+)-[0-9a-f]{32}")  # used with fullmatch: no trailing newline, ASCII digits
+# What the reaper removes: segments, and the named semaphores of rdt_transports' shared-memory barrier
+_REAP_RE = re.compile(r"(?:sem\.)?rdt-([0-9]+)-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -172,14 +176,14 @@ def unlink(name: str) -> None:
 
 
 def reap_dead_owners() -> int:
-    """Unlink segments whose owner process is gone (it was killed before it could clean up)."""
+    """Unlink segments (and barrier semaphores) whose owner process is gone (killed before it could clean up)."""
     removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
     for name in names:
-        m = _NAME_RE.fullmatch(name)
+        m = _REAP_RE.fullmatch(name)
         if not m:
             continue
         if not pid_alive(int(m.group(1))):
@@ -192,24 +196,6 @@ def owner_alive(name: str) -> bool:
     """Whether the process that wrote segment ``name`` still runs (on this node)."""
     m = _NAME_RE.fullmatch(name)
     return bool(m) and pid_alive(int(m.group(1)))
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs; a killed process its parent has not reaped yet (zombie) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (FileNotFoundError, IndexError):
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 def segments_of(pid: int) -> List[str]:

@@ -130,6 +130,27 @@ def test_deferred_unmap_releases_the_lock() -> None:
         _shm.unlink(seg.name)
 
 
+def test_reaper_removes_dead_owners_segments_and_barrier_semaphores() -> None:
+    import secrets
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)  # its pid is now dead (and reaped)
+    names = [f"rdt-{proc.pid}-{secrets.token_hex(16)}", f"sem.rdt-{proc.pid}-{secrets.token_hex(16)}"]
+    live = f"sem.rdt-{os.getpid()}-{secrets.token_hex(16)}"
+    for n in names + [live]:
+        with open(os.path.join(_shm.SHM_DIR, n), "wb"):
+            pass
+    try:
+        _shm.reap_dead_owners()
+        assert not any(os.path.exists(os.path.join(_shm.SHM_DIR, n)) for n in names)
+        assert os.path.exists(os.path.join(_shm.SHM_DIR, live))  # a live owner's semaphore stays
+    finally:
+        for n in names + [live]:
+            _shm.unlink(n)
+
+
 @pytest.mark.parametrize("n", [0, 1, 4097, 16 * MIB + 3, 40 * MIB + 1])
 def test_parallel_copy_is_exact(n: int) -> None:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8)
