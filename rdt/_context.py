@@ -307,7 +307,7 @@ class RdtContext:
             pass
         self.shm_pool.close()
         self.buffers.close()
-        for name in _shm.segments_of(os.getpid()):
+        for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)
         if self._server is not None:
             self._server.close()

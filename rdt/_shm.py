@@ -204,3 +204,11 @@ def segments_of(pid: int) -> List[str]:
         return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}{pid}-")]
     except OSError:
         return []
+
+
+def semaphores_of(pid: int) -> List[str]:
+    """Names (``sem.rdt-<pid>-...``) of the named semaphores ``pid`` made for rdt_transports' shm allreduce."""
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(f"sem.{PREFIX}{pid}-")]
+    except OSError:
+        return []
