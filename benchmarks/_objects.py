@@ -42,6 +42,10 @@ class _Producer:
     def set_inline(self, nbytes: int) -> None:
         rdt.configure(inline_threshold=nbytes)
 
+    def set_pool(self, nbytes: int) -> None:
+        """Turn rdt's reuse pools off (0) for the memory measurement, so fresh allocations are counted."""
+        rdt.configure(pool_bytes=nbytes)
+
     def plain(self) -> torch.Tensor:
         return self.t
 
@@ -165,9 +169,14 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
                     row.update(seconds=med, seconds_best=best, gbps=nbytes / med / 1e9, gbps_best=nbytes / best / 1e9,
                                latency_us=med * 1e6, iters=iters, times_s=[round(t, 6) for t in times])
                     if nbytes == largest and not quick:
-                        with _RssSampler([pid_a, pid_b]) as s:
-                            idle = [p.memory_info().rss for p in s.procs]
-                            _round_trip(a, b, method, expect, timeout)
+                        # Worst case: rdt's pools emptied and off, so every buffer is a fresh allocation.
+                        ray.get([x.set_pool.remote(0) for x in (a, b)], timeout=60)
+                        try:
+                            with _RssSampler([pid_a, pid_b]) as s:
+                                idle = [p.memory_info().rss for p in s.procs]
+                                _round_trip(a, b, method, expect, timeout)
+                        finally:
+                            ray.get([x.set_pool.remote(1 << 30) for x in (a, b)], timeout=60)
                         row["rss_peak_over_idle_bytes"] = [pk - i for pk, i in zip(s.peak, idle)]
                     log(f"objects {impl:<18} {nbytes:>10} B  median {med * 1e3:9.3f} ms  {row['gbps']:.3f} GB/s")
                 except Exception as e:  # noqa: BLE001 - record and go on

@@ -118,9 +118,15 @@ class _Collector:
         return idx
 
 
+_BARE_SKELETON = b"\x80\x05K\x00Q."  # protocol 5: persistent id 0, i.e. the value is leaf 0 itself
+
+
 def flatten(value: Any) -> Flattened:
     """Find every tensor in ``value``; views of one storage share a buffer."""
     found = _Collector()
+    if type(value) is torch.Tensor:  # the common case, without running a pickler over it
+        found.add(value)
+        return _finish(_BARE_SKELETON, found)
     out = io.BytesIO()
     try:
         _Pickler(out, found).dump(value)
@@ -131,6 +137,11 @@ def flatten(value: Any) -> Flattened:
             f"the value cannot be pickled around its tensors: {type(e).__name__}: {e}",
             hint="return tensors plus picklable objects only (no locks, sockets, open files, generators)",
         ) from e
+    return _finish(out.getvalue(), found)
+
+
+def _finish(skeleton: bytes, found: _Collector) -> Flattened:
+    """Buffers and specs for the tensors ``found`` while pickling ``skeleton``."""
     specs: List[TensorSpec] = []
     buffers: List[torch.Tensor] = []
     spans: Dict[Tuple[str, int], List[int]] = {}  # storage key -> [min_byte, max_byte, buffer index]
@@ -173,7 +184,7 @@ def flatten(value: Any) -> Flattened:
             )
         specs.append(TensorSpec(span[2], _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()),
                                 rel // t.element_size(), kind, rg))
-    return Flattened(out.getvalue(), specs, buffers, found.leaves)
+    return Flattened(skeleton, specs, buffers, found.leaves)
 
 
 def leaf_from_buffer(spec: TensorSpec, buffers: List[torch.Tensor], device: Optional[torch.device] = None) -> Any:
