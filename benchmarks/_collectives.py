@@ -29,7 +29,7 @@ class BenchConfig:
     iters: Optional[int] = None
     warmup: Optional[int] = None
     bytes_budget: int = 256 << 20  # per (impl, size): iterations = budget / size, clamped
-    min_iters: int = 7  # large sizes: fewer than this and one slow iteration on 2 shared cores moves the median
+    min_iters: int = 11  # large sizes: fewer than this and one slow iteration on 2 shared cores moves the median
     max_iters: int = 50
     group_timeout: float = 30.0
 

@@ -101,7 +101,7 @@ def _iterations(nbytes: int, quick: bool) -> Tuple[int, int]:
         return 5, 30
     if nbytes <= 16 << 20:
         return 3, 15
-    return 2, 13  # the first uses fill pools (shm segments, huge pages); the median is the steady state
+    return 4, 13  # the first uses fill pools (shm segments, huge pages); the median is the steady state
 
 
 class _RssSampler:
