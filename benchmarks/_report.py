@@ -45,15 +45,24 @@ def _key(row: Dict[str, Any]) -> Tuple[str, int, str]:
     return row["suite"], row["world_size"], row["impl"]
 
 
-def format_table(rows: List[Dict[str, Any]], sizes: List[int]) -> str:
-    """One block per (suite, world size): implementations x sizes, each cell 'GB/s (latency)'."""
-    cells: Dict[Tuple[str, int, str], Dict[Optional[int], Dict[str, Any]]] = defaultdict(dict)
+Cells = Dict[Tuple[str, int, str], Dict[Optional[int], Dict[str, Any]]]
+
+
+def _blocks(rows: List[Dict[str, Any]]) -> Tuple[Cells, Dict[Tuple[str, int], List[str]]]:
+    """Rows by (suite, world size, impl) and size, and each (suite, world size)'s implementations in run order."""
+    cells: Cells = defaultdict(dict)
     for r in rows:
         cells[_key(r)][r.get("size")] = r
     blocks: Dict[Tuple[str, int], List[str]] = defaultdict(list)
     for suite, ws, impl in cells:
         if impl not in blocks[(suite, ws)]:
             blocks[(suite, ws)].append(impl)
+    return cells, blocks
+
+
+def format_table(rows: List[Dict[str, Any]], sizes: List[int]) -> str:
+    """One block per (suite, world size): implementations x sizes, each cell 'GB/s (latency)'."""
+    cells, blocks = _blocks(rows)
     out: List[str] = []
     for (suite, ws), impls in blocks.items():
         metric = "algbw GB/s" if suite != "allreduce" else "busbw GB/s"
@@ -211,13 +220,7 @@ def format_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], sizes: Lis
             out.append(f"| {t['target']} | {'met' if t['met'] else '**missed**'} | {t['ratio']:.2f}x | "
                        f"{t['ratio_best']:.2f}x | {t['required']}x |")
         out.append("")
-    cells: Dict[Tuple[str, int, str], Dict[Optional[int], Dict[str, Any]]] = defaultdict(dict)
-    for r in rows:
-        cells[_key(r)][r.get("size")] = r
-    order: Dict[Tuple[str, int], List[str]] = defaultdict(list)
-    for suite, ws, impl in cells:
-        if impl not in order[(suite, ws)]:
-            order[(suite, ws)].append(impl)
+    cells, order = _blocks(rows)
     for (suite, ws), impls in order.items():
         out += [f"### {suite} ({ws} actors)", "", "| implementation | " + " | ".join(fmt_size(x) for x in sizes)
                 + " |", "|---|" + "---|" * len(sizes)]
