@@ -341,31 +341,55 @@ class CollectiveGroup:
         self._run("recv", timeout, body, _nbytes(t), peer=src)
 
     # A size/dtype header for backends that cannot detect a mismatch (Gloo truncates, or aborts the receiving
-    # process): the sender posts header and data back to back (no round trip); the receiver checks the header
-    # and, on a mismatch, drains the data into scratch memory and raises, so neither side hangs or crashes.
-    # Tags: the p2p tag's payload times 4 plus 0 (header) or 2 (data).
+    # process): the sender posts the header, the receiver checks it. Small messages follow the header at once (no
+    # round trip); on a mismatch the receiver drains them into scratch memory and raises. From GO_MIN_BYTES on,
+    # the sender waits for the receiver's verdict: the data then always lands in a receive that is already posted
+    # (Gloo otherwise stages early data in a temporary buffer, a second 128 MiB allocation and copy), and on a
+    # mismatch nothing is sent and both sides raise.
+    # Tags: the p2p tag's payload times 4 plus 0 (header), 1 (verdict) or 2 (data).
     def _sub(self, tag: int, kind: int) -> int:
         return make_tag(TAG_P2P, ((tag & _PAYLOAD_MASK) << 2 | kind) & _PAYLOAD_MASK)
 
     def _checked_send(self, t: torch.Tensor, dst: int, tag: int, deadline: float) -> None:
         w_header = self.backend.isend(_describe(t), dst, self._sub(tag, 0))
-        w_data = self.backend.isend(t, dst, self._sub(tag, 2))
+        if _nbytes(t) < GO_MIN_BYTES:
+            w_data = self.backend.isend(t, dst, self._sub(tag, 2))
+            w_header.wait(_left(deadline))
+            w_data.wait(_left(deadline))
+            return
+        verdict = torch.zeros(3, dtype=torch.int64)
+        self.backend.irecv(verdict, dst, self._sub(tag, 1)).wait(_left(deadline))
         w_header.wait(_left(deadline))
-        w_data.wait(_left(deadline))
+        if int(verdict[0]) != 1:
+            raise TensorMismatchError(
+                f"rank {dst} receives into {int(verdict[1])} bytes of {_dtype_name(int(verdict[2]))} but this rank "
+                f"sends {_nbytes(t)} bytes of {t.dtype}; nothing was sent", peer=dst, op="send",
+                hint="make the send tensor the same size and dtype as the receiver's tensor",
+            )
+        self.backend.isend(t, dst, self._sub(tag, 2)).wait(_left(deadline))
 
     def _checked_recv(self, t: torch.Tensor, src: int, tag: int, deadline: float) -> None:
         header = torch.zeros(3, dtype=torch.int64)
         self.backend.irecv(header, src, self._sub(tag, 0)).wait(_left(deadline))
         nbytes, code = int(header[1]), int(header[2])
-        if nbytes == _nbytes(t) and 0 <= code < len(_DTYPES) and _DTYPES[code] == t.dtype:
+        match = nbytes == _nbytes(t) and 0 <= code < len(_DTYPES) and _DTYPES[code] == t.dtype
+        if nbytes >= GO_MIN_BYTES:
+            mine = _describe(t)
+            mine[0] = 1 if match else 0
+            w_data = self.backend.irecv(t, src, self._sub(tag, 2)) if match else None
+            self.backend.isend(mine, src, self._sub(tag, 1)).wait(_left(deadline))
+            if w_data is not None:
+                w_data.wait(_left(deadline))
+                return
+        elif match:
             self.backend.irecv(t, src, self._sub(tag, 2)).wait(_left(deadline))
             return
-        scratch = torch.empty(max(nbytes, 0), dtype=torch.uint8)
-        self.backend.irecv(scratch, src, self._sub(tag, 2)).wait(_left(deadline))
-        sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype code {code}"
+        else:
+            scratch = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+            self.backend.irecv(scratch, src, self._sub(tag, 2)).wait(_left(deadline))
         raise TensorMismatchError(
-            f"the sender sent {nbytes} bytes of {sent} but this rank receives into {_nbytes(t)} bytes of {t.dtype}",
-            peer=src, op="recv", hint="make the recv tensor the same size and dtype as the sent tensor",
+            f"the sender sent {nbytes} bytes of {_dtype_name(code)} but this rank receives into {_nbytes(t)} bytes "
+            f"of {t.dtype}", peer=src, op="recv", hint="make the recv tensor the same size and dtype as the sent tensor",
         )
 
     # ------------------------------------------------------------------ collectives
@@ -493,6 +517,13 @@ def _left(deadline: float) -> float:
 
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
+
+
+GO_MIN_BYTES = 1 << 20  # from this size on, a Gloo p2p send waits for the receiver's verdict before the data
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype code {code}"
 
 
 def _describe(t: torch.Tensor) -> torch.Tensor:

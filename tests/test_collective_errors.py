@@ -363,6 +363,26 @@ def test_p2p_size_mismatch_gloo(ray_cluster, sizes: Tuple[int, int]) -> None:
             ray.kill(a)
 
 
+@pytest.mark.parametrize("send,recv", [((1 << 18, "float32"), (1 << 17, "float32")),
+                                       ((1 << 18, "float32"), (1 << 18, "int32"))], ids=["size", "dtype"])
+def test_large_p2p_mismatch_gloo_fails_both_sides_before_sending(ray_cluster, send, recv) -> None:
+    """From 1 MiB on the receiver's verdict comes before the data: both ranks raise, and no data moves."""
+    actors = [cc.CollectiveWorker.remote() for _ in range(2)]
+    name = f"mm-large-gloo-{recv[1]}"
+    try:
+        handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
+        out = ray.get([actors[0].call.remote(send_n, name, *send, 10.0),
+                       actors[1].call.remote(recv_n, name, *recv, 10.0)], timeout=60)
+        (serr, _, st), (rerr, _, rt_) = out
+        assert_error(serr, TensorMismatchError, group=name, rank=0, op="send")
+        assert_error(rerr, TensorMismatchError, group=name, rank=1, op="recv")
+        assert "nothing was sent" in str(serr) and st < 10.0 and rt_ < 10.0
+        handle.destroy(timeout=10)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 # ---------------------------------------------------------------------------------------------- timeouts
 def recv_with_timeout(name: str, timeout: float) -> None:
     rt.recv(torch.zeros(4), 1, name, timeout=timeout)
