@@ -59,7 +59,7 @@ def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
 
 
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
-              pool_bytes: Optional[int] = None) -> None:
+              pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None) -> None:
     """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide)."""
     from ._context import get_context
 
@@ -85,4 +85,9 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             pool.max_bytes = int(pool_bytes)
             if pool_bytes == 0:
                 pool.close()
+    if shm_cma is not None:
+        if not isinstance(shm_cma, bool):
+            raise InvalidArgumentError(f"shm_cma must be True or False, got {shm_cma!r}",
+                                       hint="pass rdt.configure(shm_cma=False) to move shm objects through segments")
+        changes["shm_cma"] = shm_cma
     ctx.config = ctx.config.updated(**changes)

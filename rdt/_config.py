@@ -27,6 +27,9 @@ class RdtConfig:
     # buffers): at most pool_bytes (RDT_POOL_BYTES), each for pool_ttl seconds (RDT_POOL_TTL_S).
     pool_bytes: int = 1 << 30
     pool_ttl: float = 30.0
+    # Same-node "shm"/"auto" objects: consumers read the producer's memory directly (process_vm_readv) where the
+    # kernel allows it; off (RDT_SHM_CMA=0), producers write a shared-memory segment instead.
+    shm_cma: bool = True
 
     @classmethod
     def from_env(cls) -> "RdtConfig":
@@ -35,6 +38,7 @@ class RdtConfig:
             inline_threshold=int(_env_float("RDT_INLINE_BYTES", cls.inline_threshold)),
             pool_bytes=int(_env_float("RDT_POOL_BYTES", cls.pool_bytes)),
             pool_ttl=_env_float("RDT_POOL_TTL_S", cls.pool_ttl),
+            shm_cma=os.environ.get("RDT_SHM_CMA", "1") != "0",
         )
 
     def updated(self, **changes: object) -> "RdtConfig":

@@ -24,7 +24,7 @@ import torch
 from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from . import _control, _shm
+from . import _cma, _control, _shm
 from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
@@ -108,6 +108,8 @@ class RdtContext:
         self.fetch_cache: Dict[Any, Any] = {}
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
+        self.cma = _cma.CmaReader()
+        self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
         _shm.reap_dead_owners()
@@ -208,8 +210,11 @@ class RdtContext:
             return ObjectMeta(obj_id, transport, self._inline_producer(info), flat.skeleton, tuple(flat.specs),
                               tuple(flat.buffer_specs()), (), None, inline, timeout=timeout)
         entry = Entry(obj_id, flat, transport)
-        shm = nixl = store_ref = None
-        if transport == "shm":
+        shm = nixl = store_ref = cma = None
+        if transport in ("shm", "auto") and self._cma_readable() and all(b.device.type == "cpu" for b in flat.buffers):
+            entry.guard = _cma.guard_for(obj_id)
+            cma = _cma.CmaInfo(entry.guard.ctypes.data, tuple((b.data_ptr(), b.numel()) for b in flat.buffers))
+        elif transport == "shm":
             shm = entry.shm = self.shm_pool.write(flat.buffers, obj_id)
         elif transport == "nixl":
             from . import _nixl_objects
@@ -224,7 +229,13 @@ class RdtContext:
         if not core.add_object_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
             logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", obj_id.hex())
         return ObjectMeta(obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
-                          tuple(self.groups()), token, None, shm, nixl, store_ref, timeout, cuda_ipc)
+                          tuple(self.groups()), token, None, shm, nixl, store_ref, timeout, cuda_ipc, cma)
+
+    def _cma_readable(self) -> bool:
+        """Whether same-node consumers can likely read this process's memory (else "shm" writes a segment)."""
+        if self._cma_ok is None:
+            self._cma_ok = _cma.supported() and _cma.yama_allows_siblings()
+        return self.config.shm_cma and self._cma_ok
 
     def _on_out_of_scope(self, obj_id: bytes) -> None:
         # Runs on Ray's callback thread: must be quick. Dropping the entry releases the tensors.
@@ -234,6 +245,8 @@ class RdtContext:
             logger.exception("rdt: freeing %s failed", obj_id.hex())
 
     def _release(self, entry: Entry) -> None:
+        if entry.guard is not None:
+            _cma.clear(entry.guard)  # first: a direct read that ends after this sees the object gone
         if entry.shm is not None:
             self.shm_pool.release(entry.shm)
         if entry.nixl is not None:

@@ -23,7 +23,7 @@ from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, UnsupportedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from . import _control, _cuda_ipc, _nixl_objects, _shm
+from . import _cma, _control, _cuda_ipc, _nixl_objects, _shm
 from ._flatten import leaf_from_buffer, unflatten
 from ._meta import GroupRef, ObjectMeta
 from .errors import (
@@ -283,6 +283,16 @@ def _control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: byt
 
 
 def _fetch_shm(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
+    info = getattr(meta, "cma", None)
+    if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
+        bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+        try:
+            ctx.cma.read(meta.producer.pid, info, [b.data_ptr() for b in bufs], meta.obj_id)
+            return bufs
+        except _cma.CmaError as e:
+            # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
+            # authoritative answer (a segment, ObjectFreedError, or ProducerDiedError).
+            logger.debug("rdt: direct read of %s failed (%s); asking the producer for a segment", meta.id_hex, e)
     seg = meta.shm
     if seg is None:
         resp = _control_request(ctx, meta, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,

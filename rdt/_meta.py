@@ -55,6 +55,7 @@ class ObjectMeta:
     store_ref: Optional[Any] = None  # ObjectRef of the buffers, for transport "object_store"
     timeout: Optional[float] = None  # producer-chosen transfer timeout
     cuda_ipc: Optional[Any] = None  # _cuda_ipc.CudaIpcInfo: IPC handles of GPU buffers, exported at return time
+    cma: Optional[Any] = None  # _cma.CmaInfo: where same-node consumers read the buffers ("shm", "auto" on CPU)
 
     @property
     def id_hex(self) -> str:

@@ -22,6 +22,7 @@ class Entry:
     created: float = field(default_factory=time.monotonic)
     shm: Optional[Any] = None  # _shm.Segment once written
     nixl: Optional[Any] = None  # transport-specific registration handle
+    guard: Optional[Any] = None  # _cma guard (numpy array) while consumers may read the buffers directly
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

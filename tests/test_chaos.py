@@ -131,16 +131,19 @@ def test_producer_dies_before_creating_the_object(pool, how):
 
 @pytest.mark.parametrize("how", KILLS)
 def test_producer_dies_after_creating_the_object(pool, how):
-    """Objects of every transport exist in the producer, not yet fetched: each consumer fetch fails fast with
-    ProducerDiedError (or Ray's ActorDiedError); the consumer unlinks the dead owner's segment."""
+    """Objects of every transport exist in the producer, not yet fetched (shm both read directly and through a
+    segment): each consumer fetch fails fast with ProducerDiedError (or Ray's ActorDiedError); the consumer
+    unlinks the dead owner's segment."""
     c1 = pool["c1"]
     victim, pid, address = _victim()
     group = rdt.create_collective_group([victim, c1], backend="gloo")
     transports = ["gloo", "shm", "auto"] + (["nixl"] if HAS_NIXL else [])
     try:
         refs = {t: getattr(victim, f"make_{t}").remote(i, MiB) for i, t in enumerate(transports)}
+        ray.get(victim.configure.remote(shm_cma=False), timeout=60)
+        refs["shm-segment"] = victim.make_shm.remote(9, MiB)
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=60)
-        assert len(shm_of(pid)) == 1  # the "shm" object was written at return time
+        assert len(shm_of(pid)) == 1  # the segment-mode "shm" object was written at return time
         healthy = Healthy(pool)
         _kill(victim, pid, how)
         assert wait_for(lambda: pid_gone(pid), timeout=30)
@@ -274,9 +277,9 @@ def test_consumer_dies_while_receiving(pool, how, transport):
 
 # ---------------------------------------------------------------------------------------------- timeout, transport errors
 def test_hung_producer_times_out(pool):
-    """A producer that is alive but stuck (SIGSTOP): gloo and auto fetches fail with TransferTimeoutError at the
-    consumer's transfer timeout; a written shm segment needs no producer and arrives; once the producer runs again
-    everything works."""
+    """A producer that is alive but stuck (SIGSTOP): fetches that need it (gloo, a segment asked for on demand)
+    fail with TransferTimeoutError at the consumer's transfer timeout; direct reads (shm, auto) and a segment
+    written at return need no producer and arrive; once the producer runs again everything works."""
     c1 = pool["c1"]
     victim, pid, address = _victim()
     group = rdt.create_collective_group([victim, c1], backend="gloo")
@@ -285,16 +288,22 @@ def test_hung_producer_times_out(pool):
     transports = ["gloo", "auto", "shm"] + (["nixl"] if HAS_NIXL else [])
     try:
         refs = {t: getattr(victim, f"make_{t}").remote(i, 4 * MiB) for i, t in enumerate(transports)}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=60)
+        ray.get(victim.configure.remote(shm_cma=False), timeout=60)
+        segment_ref = victim.make_shm.remote(9, 4 * MiB)  # written to a segment at return
+        ray.wait(list(refs.values()) + [segment_ref], num_returns=len(refs) + 1, timeout=60)
         healthy = Healthy(pool)
         os.kill(pid, signal.SIGSTOP)
         try:
-            for t in ("gloo", "auto"):
+            for t, direct in (("gloo", True), ("auto", False)):  # auto without direct reads asks for a segment
+                ray.get(c1.configure.remote(shm_cma=direct), timeout=30)
                 start = time.monotonic()
                 with pytest.raises(TransferTimeoutError, match="did not finish within"):
                     ray.get(c1.digest.remote(refs[t]), timeout=60)
                 assert time.monotonic() - start < timeout + SLACK_S, t
+            ray.get(c1.configure.remote(shm_cma=True), timeout=30)
+            assert ray.get(c1.digest.remote(refs["auto"]), timeout=60)[0] == 1
             assert ray.get(c1.digest.remote(refs["shm"]), timeout=60)[0] == 2
+            assert ray.get(c1.digest.remote(segment_ref), timeout=60)[0] == 9
             if HAS_NIXL:
                 # Over UCX/TCP a READ needs the target to progress, so it times out; rdt then pings the producer,
                 # gets no answer either, and reports it dead (known issue: should be TransferTimeoutError).
@@ -309,14 +318,14 @@ def test_hung_producer_times_out(pool):
             if t != "gloo":
                 assert ray.get(c1.digest.remote(refs[t]), timeout=60)[0] == transports.index(t)
         assert ray.get(victim.ping.remote(), timeout=30) == pid  # stuck is not dead: nobody killed it
-        del refs
+        del refs, segment_ref
         # Known issue (test_failed_fetch_does_not_pin_the_object): the consumer pins the objects whose fetch
         # failed until its garbage collector runs; run it, then everything drains.
         ray.get(c1.call.remote(gc.collect), timeout=30)
         assert wait_for(lambda: _drained(victim), timeout=30)
     finally:
         group.destroy(timeout=20)
-        ray.get(c1.configure.remote(transfer_timeout=60.0))
+        ray.get(c1.configure.remote(transfer_timeout=60.0, shm_cma=True))
         ray.kill(victim)
 
 
@@ -352,7 +361,7 @@ def test_failed_fetch_does_not_pin_the_object(pool):
     without waiting for the consumer's garbage collector."""
     c1 = pool["c1"]
     victim, pid, _ = _victim()
-    ray.get(c1.configure.remote(transfer_timeout=2.0))
+    ray.get(c1.configure.remote(transfer_timeout=2.0, shm_cma=False))  # auto then asks the producer for a segment
     try:
         ref = victim.make_auto.remote(1, MiB)
         ray.wait([ref], timeout=60)
@@ -366,6 +375,6 @@ def test_failed_fetch_does_not_pin_the_object(pool):
         gc.collect()
         assert wait_for(lambda: rdt.stats(victim)["objects"] == 0, timeout=5)
     finally:
-        ray.get(c1.configure.remote(transfer_timeout=60.0))
+        ray.get(c1.configure.remote(transfer_timeout=60.0, shm_cma=True))
         ray.get(c1.call.remote(gc.collect), timeout=30)
         ray.kill(victim)

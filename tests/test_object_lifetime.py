@@ -91,11 +91,21 @@ def _rss(actor) -> int:
 SOAK = os.environ.get("RDT_SOAK") == "1"  # the full 10 000-transfer runs; CI runs shorter ones
 
 
-@pytest.mark.parametrize("transport,count", [("gloo", 10_000 if SOAK else 3_000), ("shm", 10_000 if SOAK else 2_000)]
+@pytest.mark.parametrize("transport,count", [("gloo", 10_000 if SOAK else 3_000), ("shm", 10_000 if SOAK else 2_000),
+                                             ("shm-segment", 10_000 if SOAK else 1_000)]
                          + ([("nixl", 10_000 if SOAK else 1_000)] if HAS_NIXL else []))
 def test_memory_flat_over_many_transfers(trio, transport, count):
+    """shm reads the producer's memory directly; "shm-segment" is the same with direct reads off (segments)."""
     p, c1, _ = trio
-    make = getattr(p, f"make_{transport}")
+    make = getattr(p, f"make_{transport.split('-')[0]}")
+    ray.get(p.configure.remote(shm_cma=transport != "shm-segment"))
+    try:
+        _memory_flat(p, c1, make, transport, count)
+    finally:
+        ray.get(p.configure.remote(shm_cma=True))
+
+
+def _memory_flat(p, c1, make, transport, count):
 
     def run(n: int) -> None:
         for start in range(0, n, 100):

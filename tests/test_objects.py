@@ -140,6 +140,47 @@ def test_transfer_while_producer_is_busy(nodes, transport):
     assert ray.get(busy) == "done"
 
 
+def _out(stats, transport):
+    return stats["transfers"].get(transport, {}).get("out", 0)
+
+
+@pytest.mark.parametrize("transport", ["shm", "auto"])
+def test_same_node_reads_the_producer_memory_directly(nodes, transport):
+    """Where the kernel allows it, a same-node consumer reads the producer's tensors itself (process_vm_readv):
+    no segment is written and the producer serves nothing; the consumer's copy is private."""
+    p, c1 = nodes["p"], nodes["c1"]
+    p0, c0 = rdt.stats(p), rdt.stats(c1)
+    ref = getattr(p, f"make_{transport}").remote(N, 3.0)
+    assert ray.get(c1.mutate_and_sum.remote(ref)) == 103.0 * N  # the consumer changes its own copy
+    assert ray.get(c1.total.remote(ref)) == 3.0 * N  # a second fetch reads the producer's unchanged tensor
+    assert rdt.stats(p)["shm_segments"] == 0  # no segment written
+    assert _in(rdt.stats(c1), "shm") == _in(c0, "shm") + 2
+    assert _out(rdt.stats(p), "shm") == _out(p0, "shm")  # the producer was not asked
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_shm_through_segments_when_direct_reads_are_off(nodes, side):
+    """With direct reads off (rdt.configure(shm_cma=False), or refused by the kernel), shm objects still move:
+    the producer writes a segment at return (producer off) or when a consumer asks (consumer off)."""
+    p, c1 = nodes["p"], nodes["c1"]
+    target = p if side == "producer" else c1
+    ray.get(target.configure.remote(shm_cma=False))
+    try:
+        p0 = rdt.stats(p)
+        ref = p.make_shm.remote(N, 4.0)
+        ray.wait([ref])
+        assert rdt.stats(p)["shm_segments"] == (1 if side == "producer" else 0)  # written at return, or not yet
+        assert ray.get(c1.mutate_and_sum.remote(ref)) == 104.0 * N  # copy-on-write: the segment is unchanged
+        assert ray.get(c1.total.remote(ref)) == 4.0 * N
+        assert rdt.stats(p)["shm_segments"] == 1
+        asked = 2 if side == "consumer" else 0  # each fetch asks the producer, which writes the segment once
+        assert _out(rdt.stats(p), "shm") == _out(p0, "shm") + asked
+    finally:
+        ray.get(target.configure.remote(shm_cma=True))
+    del ref
+    assert wait_for(lambda: rdt.stats(p)["shm_segments"] == 0, timeout=30)
+
+
 def test_rdt_put_inside_actor(nodes):
     p, c1 = nodes["p"], nodes["c1"]
     for transport in ("gloo", "shm"):

@@ -226,6 +226,7 @@ class ShmNode:
 @pytest.fixture(scope="module")
 def pair(ray_cluster):
     p, c = ShmNode.remote(), ShmNode.remote()
+    ray.get(p.configure.remote(shm_cma=False))  # this module is about segments: no direct reads
     yield p, c
     for a in (p, c):
         ray.kill(a)

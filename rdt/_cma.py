@@ -1,0 +1,169 @@
+"""Same-node reads straight from the producer's memory with ``process_vm_readv`` (cross-memory attach).
+
+One copy, done by the kernel from the producer's pages into the consumer's buffer: no segment to fill on the
+producer's side, no page-table work for a shared mapping on the consumer's, and nothing asked of the producer
+process (it may be busy or even stopped). This is how MPI libraries and UCX move large messages within a node.
+
+The kernel allows it only where the consumer could ptrace the producer: same user, and Yama's ``ptrace_scope``
+at 0 (or absent), or ``CAP_SYS_PTRACE``. rdt never relaxes that; where it is refused, ``shm`` falls back to a
+shared-memory segment (see ``_fetch``).
+
+Each object the producer keeps readable this way has a small **guard** in the producer's memory: the object's
+id, zeroed before its tensors are released. A consumer reads the tensors, then the guard; only a guard that
+still names the object proves the bytes came from the live object (and from the right process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+MAGIC = b"rdtcma1\0"
+GUARD_BYTES = len(MAGIC) + 16
+_CHUNK = 16 << 20  # per-call bytes when a read is split across threads
+_PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs more than it saves)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _load() -> Optional[ctypes._CFuncPtr]:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_READV = _load()
+
+
+class CmaError(OSError):
+    """A cross-memory read failed; the caller falls back to a path that asks the producer."""
+
+
+class CmaDenied(CmaError):
+    """The kernel forbids reading that process (ptrace rules, seccomp, no syscall): do not try it again."""
+
+
+@dataclass(frozen=True)
+class CmaInfo:
+    """Where an object's buffers and guard live in the producer's address space."""
+
+    guard: int
+    ranges: Tuple[Tuple[int, int], ...]  # (address, nbytes) per buffer
+
+
+def yama_allows_siblings() -> bool:
+    """Whether Yama lets a process read a non-descendant of the same user (scope 0, or no Yama at all)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True
+
+
+def supported() -> bool:
+    """Whether this process can attempt cross-memory reads at all (Linux, glibc with the wrapper)."""
+    return _READV is not None
+
+
+def guard_for(obj_id: bytes) -> np.ndarray:
+    """The producer-side guard naming ``obj_id`` (kept alive with the object, zeroed by :func:`clear`)."""
+    return np.frombuffer(MAGIC + obj_id[:16].ljust(16, b"\0"), dtype=np.uint8).copy()
+
+
+def clear(guard: np.ndarray) -> None:
+    """Mark the object gone: any consumer read that finishes after this sees a wrong guard."""
+    guard[:] = 0
+
+
+def _read_once(pid: int, local: int, remote: int, n: int) -> None:
+    assert _READV is not None
+    done = 0
+    while done < n:
+        lv = _IoVec(local + done, n - done)
+        rv = _IoVec(remote + done, n - done)
+        got = _READV(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            if err in (errno.EPERM, errno.EACCES, errno.ENOSYS):
+                raise CmaDenied(err, f"process_vm_readv on pid {pid}: {os.strerror(err)}")
+            raise CmaError(err, f"process_vm_readv on pid {pid}: {os.strerror(err)}")
+        if got == 0:
+            raise CmaError(errno.EFAULT, f"process_vm_readv on pid {pid}: no bytes at {remote + done:#x}")
+        done += got
+
+
+class CmaReader:
+    """Reads producers' buffers into local memory, splitting large reads across a few threads (ctypes releases
+    the GIL, and one thread cannot saturate memory bandwidth). Remembers producers the kernel refused."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads or max(1, min(4, os.cpu_count() or 1))
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self._denied: Set[int] = set()
+
+    def denied(self, pid: int) -> bool:
+        return pid in self._denied
+
+    def read(self, pid: int, info: CmaInfo, dests: Sequence[int], obj_id: bytes) -> None:
+        """Copy each ``info.ranges[i]`` of process ``pid`` to address ``dests[i]`` here, then check the guard.
+
+        Raises :class:`CmaDenied` (remembered for ``pid``) or :class:`CmaError` (bad address, no process, or a
+        guard that no longer names ``obj_id``); on error the destination contents are unspecified.
+        """
+        if _READV is None:
+            raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
+        try:
+            self._read_all(pid, [(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n])
+            got = np.empty(GUARD_BYTES, dtype=np.uint8)
+            _read_once(pid, got.ctypes.data, info.guard, GUARD_BYTES)
+        except CmaDenied:
+            with self._lock:
+                self._denied.add(pid)
+            raise
+        if got.tobytes() != MAGIC + obj_id[:16].ljust(16, b"\0"):
+            raise CmaError(errno.ESTALE, f"object {obj_id.hex()} is no longer held by pid {pid}")
+
+    def _read_all(self, pid: int, parts: List[Tuple[int, int, int]]) -> None:
+        total = sum(n for _, _, n in parts)
+        if self.threads < 2 or total < _PARALLEL_MIN:
+            for local, remote, n in parts:
+                _read_once(pid, local, remote, n)
+            return
+        step = max(_CHUNK, -(-total // self.threads))
+        pieces = [(local + off, remote + off, min(step, n - off))
+                  for local, remote, n in parts for off in range(0, n, step)]
+        pool = self._executor()
+        futures = [pool.submit(_read_once, pid, *p) for p in pieces[1:]]
+        first: Optional[BaseException] = None
+        try:
+            _read_once(pid, *pieces[0])
+        except BaseException as e:  # still wait for the others: they write into our buffers
+            first = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="rdt-cma")
+            return self._pool

@@ -1,0 +1,138 @@
+"""Cross-memory reads (process_vm_readv) against a real second process: bytes, guard, freed memory, dead and
+forbidden processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict, Iterator
+
+import pytest
+import torch
+
+from rdt import _cma
+
+pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")
+
+OBJ = bytes(range(16))
+BIG = 40 << 20  # above the parallel threshold: split across threads
+
+_HOLDER = r"""
+import json, sys
+import torch
+from rdt import _cma
+obj = bytes(range(16))
+big = (torch.arange(%d, dtype=torch.int64) %% 251).to(torch.uint8)
+small = torch.arange(100, dtype=torch.uint8)
+guard = _cma.guard_for(obj)
+print(json.dumps({"guard": int(guard.ctypes.data), "big": big.data_ptr(), "small": small.data_ptr()}), flush=True)
+for line in sys.stdin:
+    if line.strip() == "clear":
+        _cma.clear(guard)
+        print("cleared", flush=True)
+""" % BIG
+
+
+@pytest.fixture()
+def holder() -> Iterator[Dict[str, Any]]:
+    """A second process holding two buffers and a guard for OBJ; 'clear' on stdin zeroes the guard."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        info["proc"] = proc
+        yield info
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _info(h: Dict[str, Any]) -> _cma.CmaInfo:
+    return _cma.CmaInfo(h["guard"], ((h["big"], BIG), (h["small"], 100), (h["small"], 0)))
+
+
+def test_reads_the_other_process_buffers(holder) -> None:
+    reader = _cma.CmaReader(threads=2)
+    big, small, empty = torch.empty(BIG, dtype=torch.uint8), torch.empty(100, dtype=torch.uint8), torch.empty(0)
+    reader.read(holder["proc"].pid, _info(holder), [big.data_ptr(), small.data_ptr(), 0], OBJ)
+    assert torch.equal(big, (torch.arange(BIG, dtype=torch.int64) % 251).to(torch.uint8))
+    assert torch.equal(small, torch.arange(100, dtype=torch.uint8))
+    assert empty.numel() == 0
+
+
+def test_single_thread_reader_gives_the_same_bytes(holder) -> None:
+    big = torch.empty(BIG, dtype=torch.uint8)
+    _cma.CmaReader(threads=1).read(holder["proc"].pid, _cma.CmaInfo(holder["guard"], ((holder["big"], BIG),)),
+                                   [big.data_ptr()], OBJ)
+    assert int(big[251 * 3 + 7]) == 7 and int(big[-1]) == (BIG - 1) % 251
+
+
+def test_cleared_guard_means_object_gone(holder) -> None:
+    proc = holder["proc"]
+    proc.stdin.write("clear\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "cleared"
+    reader = _cma.CmaReader()
+    small = torch.empty(100, dtype=torch.uint8)
+    with pytest.raises(_cma.CmaError, match="no longer held") as info:
+        reader.read(proc.pid, _cma.CmaInfo(holder["guard"], ((holder["small"], 100),)), [small.data_ptr()], OBJ)
+    assert not isinstance(info.value, _cma.CmaDenied) and not reader.denied(proc.pid)
+
+
+def test_another_object_id_is_refused(holder) -> None:
+    small = torch.empty(100, dtype=torch.uint8)
+    with pytest.raises(_cma.CmaError, match="no longer held"):
+        _cma.CmaReader().read(holder["proc"].pid, _cma.CmaInfo(holder["guard"], ((holder["small"], 100),)),
+                              [small.data_ptr()], bytes(16))
+
+
+def test_unmapped_address_fails_cleanly(holder) -> None:
+    dst = torch.empty(4096, dtype=torch.uint8)
+    with pytest.raises(_cma.CmaError) as info:
+        _cma.CmaReader().read(holder["proc"].pid, _cma.CmaInfo(holder["guard"], ((4096, 4096),)),
+                              [dst.data_ptr()], OBJ)
+    assert not isinstance(info.value, _cma.CmaDenied)
+
+
+def test_dead_process_fails_cleanly() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    dst = torch.empty(16, dtype=torch.uint8)
+    reader = _cma.CmaReader()
+    with pytest.raises(_cma.CmaError) as info:
+        reader.read(proc.pid, _cma.CmaInfo(dst.data_ptr(), ((dst.data_ptr(), 16),)), [dst.data_ptr()], OBJ)
+    assert not isinstance(info.value, _cma.CmaDenied) and not reader.denied(proc.pid)
+
+
+_DENIED = r"""
+import os, sys, torch
+from rdt import _cma
+target = int(sys.argv[1])
+if os.getuid() == 0:
+    os.setgid(65534); os.setuid(65534)  # another user, without CAP_SYS_PTRACE
+r = _cma.CmaReader()
+dst = torch.empty(16, dtype=torch.uint8)
+try:
+    r.read(target, _cma.CmaInfo(4096, ((4096, 16),)), [dst.data_ptr()], bytes(16))
+except _cma.CmaDenied:
+    print("denied", r.denied(target))
+except _cma.CmaError as e:
+    print("error", e)
+"""
+
+
+def test_a_process_the_kernel_protects_is_denied_and_remembered() -> None:
+    """Reading a process of another user is refused by the kernel: CmaDenied, and the pid is remembered."""
+    target = os.getpid() if os.getuid() == 0 else 1  # as root: a child that drops to nobody reads us
+    out = subprocess.run([sys.executable, "-c", _DENIED, str(target)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "denied True", (out.stdout, out.stderr[-2000:])
+
+
+def test_guard_layout() -> None:
+    g = _cma.guard_for(OBJ)
+    assert g.tobytes() == _cma.MAGIC + OBJ and g.flags.writeable
+    _cma.clear(g)
+    assert not g.any()
