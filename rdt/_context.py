@@ -285,10 +285,16 @@ class RdtContext:
             return _err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
         if not 0 <= rank < group.world_size or rank == group.rank:
             return _err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
-        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
-                 for i, buf in enumerate(entry.buffers)]
         self.stats.add(group.backend_name, "out", entry.nbytes)
         timeout = self.config.transfer_timeout
+        if _control.waits_for_go(group.backend_name, entry.nbytes):
+            go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
+                                     make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
+            threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, timeout,
+                                                          entry.obj_id), name="rdt-send-wait", daemon=True).start()
+            return _control.RESP_OK, b""
+        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
+                 for i, buf in enumerate(entry.buffers)]
         threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
                          name="rdt-send-wait", daemon=True).start()
         return _control.RESP_OK, b""
@@ -339,6 +345,22 @@ class RdtContext:
 
 def _err(code: int, message: str) -> Any:
     return _control.RESP_ERR, struct.pack("!H", code) + message.encode()
+
+
+def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
+                   obj_id: bytes) -> None:
+    """Post the object's sends once the consumer says its receives are posted (or give up at the timeout)."""
+    try:
+        go.wait(timeout)
+    except Exception as e:  # the consumer timed out or died; it reports its own error
+        logger.warning("rdt: rank %d never asked for the data of object %s: %s", rank, obj_id.hex(), e)
+        return
+    try:
+        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
+    except Exception as e:  # noqa: BLE001 - the group was aborted meanwhile
+        logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+        return
+    _finish_sends(works, buffers, timeout, obj_id, rank)
 
 
 def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:

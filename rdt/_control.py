@@ -241,3 +241,15 @@ class ControlClient:
         for socks in pools:
             for s in socks:
                 s.close()
+
+
+GO_MIN_BYTES = 1 << 20
+
+
+def waits_for_go(backend: str, nbytes: int) -> bool:
+    """Whether a group fetch of ``nbytes`` waits for the consumer's "receives posted" message before the data.
+
+    Gloo stages data that arrives before its receive is posted in a temporary buffer (one more allocation and
+    copy of the whole message); for large objects one tiny message is far cheaper than that.
+    """
+    return backend == "gloo" and nbytes >= GO_MIN_BYTES

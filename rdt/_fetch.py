@@ -339,7 +339,7 @@ def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, timeout:
 def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef,
                            timeout: float) -> List[torch.Tensor]:
     n = len(meta.buffers)
-    tag_base = ctx.next_tags(group.uid, n)
+    tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message
     payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
     deadline = time.monotonic() + timeout
     _control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
@@ -349,6 +349,9 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
             else torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
+        if _control.waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
+            works.append(group.backend.isend(torch.ones(1, dtype=torch.uint8), ref.rank,
+                                             make_tag(TAG_OBJECT, tag_base + n)))
         _wait_watching_producer(ctx, meta, works, deadline)
     except CollectiveTimeoutError as e:
         group._mark_errored(e)
