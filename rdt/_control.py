@@ -243,7 +243,9 @@ class ControlClient:
                 s.close()
 
 
-GO_MIN_BYTES = 1 << 20
+# Measured here (median of 60 round trips): 128 MiB 52-60 ms with the go message against 62-86 ms without;
+# 16 MiB the same either way; 1 MiB 1.2 ms slower with it (the extra message crosses three threads).
+GO_MIN_BYTES = 32 << 20
 
 
 def waits_for_go(backend: str, nbytes: int) -> bool:
