@@ -140,6 +140,18 @@ def test_transfer_while_producer_is_busy(nodes, transport):
     assert ray.get(busy) == "done"
 
 
+def test_large_gloo_object_to_two_consumers(nodes):
+    """From 32 MiB a Gloo fetch posts its receives before the producer sends (a one-byte go message): the
+    bytes arrive intact, twice, and the producer's table drains afterwards."""
+    p, c1, c2 = nodes["p"], nodes["c1"], nodes["c2"]
+    numel = 10 << 20  # 40 MiB of float32
+    held = _held(p)
+    ref = p.make_gloo.remote(numel, 1.5)
+    assert ray.get([c1.total.remote(ref), c2.total.remote(ref)], timeout=120) == [1.5 * numel] * 2
+    del ref
+    assert wait_for(lambda: _held(p) == held, timeout=30)
+
+
 def _out(stats, transport):
     return stats["transfers"].get(transport, {}).get("out", 0)
 
