@@ -183,7 +183,9 @@ def test_cuda_ipc_metadata_encoding():
     b = back.buffers[0]
     assert (b.storage_offset, b.buffer_offset, b.nbytes, b.event_sync_required) == (4096, 128, 1 << 20, True)
     fields = [f.name for f in dataclasses.fields(ObjectMeta)]
-    assert fields[-1] == "cuda_ipc"  # appended at the end, with a default: old positional constructions still work
+    # appended after the original fields, with defaults: old positional constructions still work
+    assert fields[-2:] == ["cuda_ipc", "cma"]
+    assert all(f.default is None for f in dataclasses.fields(ObjectMeta)[-2:])
     assert _meta().cuda_ipc is None and _meta(ipc=info).cuda_ipc is info
 
 
