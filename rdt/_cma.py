@@ -79,9 +79,13 @@ def supported() -> bool:
     return _READV is not None
 
 
+def _guard_bytes(obj_id: bytes) -> bytes:
+    return MAGIC + obj_id[:16].ljust(16, b"\0")
+
+
 def guard_for(obj_id: bytes) -> np.ndarray:
     """The producer-side guard naming ``obj_id`` (kept alive with the object, zeroed by :func:`clear`)."""
-    return np.frombuffer(MAGIC + obj_id[:16].ljust(16, b"\0"), dtype=np.uint8).copy()
+    return np.frombuffer(_guard_bytes(obj_id), dtype=np.uint8).copy()
 
 
 def clear(guard: np.ndarray) -> None:
@@ -135,7 +139,7 @@ class CmaReader:
             with self._lock:
                 self._denied.add(pid)
             raise
-        if got.tobytes() != MAGIC + obj_id[:16].ljust(16, b"\0"):
+        if got.tobytes() != _guard_bytes(obj_id):
             raise CmaError(errno.ESTALE, f"object {obj_id.hex()} is no longer held by pid {pid}")
 
     def _read_all(self, pid: int, parts: List[Tuple[int, int, int]]) -> None:
