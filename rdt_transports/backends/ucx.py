@@ -40,6 +40,7 @@ is synchronised when an operation is posted. The CUDA path has not been tested (
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import hashlib
@@ -49,6 +50,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
@@ -205,6 +207,20 @@ class _UcxWork(Work):
         return self._future.done()
 
 
+# Backends not shut down yet. At exit they are shut down before the interpreter finalizes: a UCX progress thread
+# left running would call into Python (endpoint-closed callbacks) while the interpreter is being torn down.
+_UNCLOSED: "weakref.WeakSet[UcxBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_unclosed() -> None:
+    for backend in list(_UNCLOSED):
+        try:
+            backend.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
 class UcxBackend(Backend):
     """Point-to-point transfers over UCX (ucxx) with an authenticated endpoint per pair of ranks."""
 
@@ -232,6 +248,7 @@ class UcxBackend(Backend):
         self._listener: Any = None
         self._ctx: Any = None
         self._progress: Any = None
+        _UNCLOSED.add(self)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run_loop, name=f"rdt-ucx-{config.group_name}-r{config.rank}", daemon=True
@@ -645,6 +662,7 @@ class UcxBackend(Backend):
             if self._closed:
                 return
             self._closed = True
+        _UNCLOSED.discard(self)
         self._aborted.set()
         if self._thread.is_alive():
             try:
