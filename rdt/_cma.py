@@ -166,6 +166,13 @@ class CmaReader:
         if first is not None:
             raise first
 
+    def close(self) -> None:
+        """Let the reader threads go (a later read starts them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:

@@ -7,7 +7,6 @@ turn an ObjectMeta back into the value. One RdtContext per process, created on f
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
@@ -21,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import ray
 import torch
 
+from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.group import TAG_OBJECT, make_tag
 
@@ -43,17 +43,27 @@ class _TokenPool:
         self._tokens: "collections.deque[Any]" = collections.deque()
         self._need = threading.Event()
         self._need.set()
-        threading.Thread(target=self._fill, name="rdt-tokens", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = _lifecycle.spawn(self._fill, "rdt-tokens")
 
     def _fill(self) -> None:
         while True:
             self._need.wait()
+            if self._stop.is_set():
+                return
             try:
-                while len(self._tokens) < self._size:
+                while len(self._tokens) < self._size and not self._stop.is_set():
                     self._tokens.append(ray.put(b""))
             except Exception:  # Ray shutting down
                 return
             self._need.clear()
+
+    def close(self) -> None:
+        """Stop the filler thread (bounded) and drop the spare tokens."""
+        self._stop.set()
+        self._need.set()
+        self._thread.join(_lifecycle.JOIN_TIMEOUT_S)
+        self._tokens.clear()
 
     def take(self) -> Any:
         try:
@@ -113,8 +123,10 @@ class RdtContext:
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
         _shm.reap_dead_owners()
-        atexit.register(self.shutdown)  # unlink our shm segments, deregister NIXL memory
-        threading.Thread(target=self._reap_loop, name="rdt-reaper", daemon=True).start()
+        self._stopped = threading.Event()
+        # Before exit: stop every rdt thread, unlink our shm segments, deregister NIXL memory.
+        _lifecycle.at_exit(self.shutdown)
+        self._reaper = _lifecycle.spawn(self._reap_loop, "rdt-reaper")
 
     def _reap_loop(self, period: float = 30.0) -> None:
         """Unlink shm segments left by processes on this node that died (killed before they could clean up), and
@@ -122,8 +134,7 @@ class RdtContext:
         import time
 
         last_reap = time.monotonic()
-        while True:
-            time.sleep(min(period, max(self.shm_pool.ttl / 2, 1.0)))
+        while not self._stopped.wait(min(period, max(self.shm_pool.ttl / 2, 1.0))):
             try:
                 self.shm_pool.trim()
                 self.buffers.trim()
@@ -329,18 +340,27 @@ class RdtContext:
         return resolve(self, meta)
 
     def shutdown(self) -> None:
-        """Free everything this process holds (at exit, or explicitly); idempotent."""
+        """Stop this process's rdt threads and free everything it holds (at exit, or explicitly); idempotent."""
+        self._stopped.set()
+        if self._tokens is not None:
+            self._tokens.close()
+        if self._server is not None:
+            self._server.close()  # no new requests from here on
+        self.waiters.shutdown(wait=False, cancel_futures=True)
         try:
             self.table.clear()
         except Exception:
             pass
+        if self.nixl is not None:
+            self.nixl.close()  # after the table: releasing objects deregisters their memory through the agent
         self.shm_pool.close()
         self.buffers.close()
+        self.unmapper.close()
+        self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)
-        if self._server is not None:
-            self._server.close()
         self.client.close()
+        self._reaper.join(_lifecycle.JOIN_TIMEOUT_S)
 
 
 def _err(code: int, message: str) -> Any:
@@ -420,3 +440,12 @@ def get_context() -> RdtContext:
             if _context is None:
                 _context = RdtContext()
     return _context
+
+
+def _forget_after_fork() -> None:
+    """A forked child holds none of its parent's objects: it starts with a fresh, empty context (made on use)."""
+    global _context
+    _context = None
+
+
+_lifecycle.at_fork_child(_forget_after_fork)

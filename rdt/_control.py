@@ -21,6 +21,8 @@ import time
 from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple
 
+from rdt_transports import _lifecycle
+
 logger = logging.getLogger("rdt")
 
 MAGIC = b"RDT1"
@@ -139,7 +141,7 @@ class ControlServer:
         self._closed = False
         self._conns: set = set()
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept_loop, name="rdt-control-accept", daemon=True).start()
+        self._acceptor = _lifecycle.spawn(self._accept_loop, "rdt-control-accept")
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -150,7 +152,7 @@ class ControlServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="rdt-control", daemon=True).start()
+            _lifecycle.spawn(self._serve, "rdt-control", conn)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -180,11 +182,18 @@ class ControlServer:
             conn.close()
 
     def close(self) -> None:
+        """Stop accepting and end every connection (bounded); idempotent."""
         self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not on Linux)
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
             pass
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(_lifecycle.JOIN_TIMEOUT_S)
         with self._lock:
             conns = list(self._conns)
         for c in conns:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 
+from rdt_transports import _lifecycle
+
 if TYPE_CHECKING:
     from ._context import RdtContext
     from ._table import Entry
@@ -73,11 +75,17 @@ class NixlAgent:
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
         # memory).
         self.parked: List[Tuple[Any, Any, List[torch.Tensor]]] = []
-        threading.Thread(target=self._progress, name="rdt-nixl-progress", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
+
+    def close(self) -> None:
+        """Stop the progress thread before anything else touches the agent at exit (it calls into NIXL, which
+        must never happen while the interpreter finalizes)."""
+        self._stop.set()
+        self._thread.join(_lifecycle.JOIN_TIMEOUT_S)
 
     def _progress(self, period: float = 0.002) -> None:
-        while True:
-            time.sleep(period)
+        while not self._stop.wait(period):
             try:
                 with self.lock:
                     self.agent.get_new_notifs()

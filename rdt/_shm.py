@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from rdt_transports import _lifecycle
 from rdt_transports._proc import pid_alive  # rdt's modules and tests check liveness through _shm
 
 SHM_DIR = "/dev/shm"
@@ -117,21 +118,30 @@ class DeferredUnmapper:
             key = self._next
             self._live[key] = mm
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rdt-unmap", daemon=True)
-                self._thread.start()
+                self._thread = _lifecycle.spawn(self._run, "rdt-unmap")
         weakref.finalize(arr, self._queue.put, key)
         return torch.from_numpy(arr)
 
     def _run(self) -> None:
         while True:
             key = self._queue.get()
+            if key is None:  # close()
+                return
             with self._lock:
-                mm = self._live.pop(key, None) if key is not None else None
+                mm = self._live.pop(key, None)
             if mm is not None:
                 try:
                     mm.close()  # also closes mmap's duplicate descriptor, releasing the shared lock
                 except BufferError:  # cannot happen once the array is gone; never kill the thread
                     pass
+
+    def close(self) -> None:
+        """Stop the background thread (mappings still in use are then closed by their own finalizers)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(_lifecycle.JOIN_TIMEOUT_S)
 
     def pending(self) -> int:
         """Mappings still open (for tests)."""

@@ -7,6 +7,7 @@ import threading
 import uuid
 from typing import Dict, List, Optional
 
+from . import _lifecycle
 from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
 from .backends import BackendConfig, backend_class
 from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError, RdtError
@@ -104,6 +105,15 @@ class ProcessContext:
     def destroy(self, name: str) -> None:
         self.get(name).destroy()
 
+    def close_all(self) -> None:
+        """Abort and destroy every group of this process (at exit): pending waits end, backend threads stop."""
+        for group in [g for g in self.groups() if g is not None]:
+            try:
+                group.abort("the process is exiting")
+                group.destroy()
+            except Exception:  # noqa: BLE001 - best effort at exit; the others must still be closed
+                pass
+
 
 def _my_actor_id() -> str:
     try:
@@ -171,4 +181,14 @@ def get_context() -> ProcessContext:
         with _process_context_lock:
             if _process_context is None:
                 _process_context = ProcessContext()
+                _lifecycle.at_exit(_process_context.close_all)
     return _process_context
+
+
+def _forget_after_fork() -> None:
+    """A forked child is in none of its parent's groups: it starts with an empty context."""
+    global _process_context
+    _process_context = None
+
+
+_lifecycle.at_fork_child(_forget_after_fork)

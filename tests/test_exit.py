@@ -25,7 +25,6 @@ def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not (HAS_NIXL and HAS_UCXX), reason="needs nixl-cu13 and ucxx (the [all] extra)")
-@pytest.mark.xfail(strict=True, reason="rdt threads (NIXL poller, reaper) still run when the interpreter finalizes")
 def test_driver_using_every_transport_exits_cleanly():
     """Exit code 0, no rdt thread alive after the exit hooks, and a receive blocked in Gloo is ended, not left."""
     proc = _run([str(ROOT / "tests" / "_exit_driver.py")], timeout=240)
@@ -73,7 +72,6 @@ _FORK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child inherits rdt's context and runs its shutdown at exit")
 def test_forked_child_starts_fresh_and_leaves_the_parent_intact(tmp_path):
     """After fork the child has an empty rdt context; its exit clears none of the parent's segments."""
     script = tmp_path / "fork_child.py"

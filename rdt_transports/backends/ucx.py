@@ -40,7 +40,6 @@ is synchronised when an operation is posted. The CUDA path has not been tested (
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import concurrent.futures
 import hashlib
@@ -64,6 +63,7 @@ from ..errors import (
     RdtError,
     TensorMismatchError,
 )
+from .. import _lifecycle
 from ..types import Capabilities
 from .base import Backend, BackendConfig, Work
 
@@ -212,7 +212,7 @@ class _UcxWork(Work):
 _UNCLOSED: "weakref.WeakSet[UcxBackend]" = weakref.WeakSet()
 
 
-@atexit.register
+@_lifecycle.at_exit
 def _shutdown_unclosed() -> None:
     for backend in list(_UNCLOSED):
         try:
