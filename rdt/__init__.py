@@ -4,10 +4,14 @@
 ObjectRef's value is only metadata. Passing the ref to another actor moves the tensors out of band (Gloo group,
 NIXL, shared memory, ...); passing it back to the producer gives the very same tensors; ``ray.get`` anywhere
 else falls back to Ray's object store. Tensors are freed when the last reference to the ref dies.
+
+Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` adds your own.
 """
 
+from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
 from ._api import configure, create_collective_group, destroy_collective_group, stats
 from ._decorator import put, tensor_method
+from .transports import register_transport
 from ._config import TRANSPORTS
 from .errors import (
     InvalidArgumentError,
@@ -22,7 +26,7 @@ from .errors import (
 )
 
 __all__ = [
-    "tensor_method", "put", "create_collective_group", "destroy_collective_group", "stats", "configure",
+    "tensor_method", "put", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
     "TransferTimeoutError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]

@@ -38,6 +38,7 @@ def _local_stats(_actor: Any = None) -> Dict[str, Any]:
         "bytes": ctx.table.nbytes(),
         "freed": ctx.table.freed,
         "transfers": ctx.stats.snapshot(),
+        "paths": ctx.stats.paths_snapshot(),  # fetches into this process, by the path that served them
         "shm_segments": len(set(_shm.segments_of(os.getpid())) - set(ctx.shm_pool.names())),
         "shm_pool": {"segments": len(ctx.shm_pool.names()), "bytes": ctx.shm_pool.nbytes(),
                      "hits": ctx.shm_pool.hits, "misses": ctx.shm_pool.misses},

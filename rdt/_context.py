@@ -12,23 +12,19 @@ import dataclasses
 import logging
 import os
 import secrets
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 import ray
-import torch
 
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
-from rdt_transports.group import TAG_OBJECT, make_tag
 
-from . import _cma, _control, _shm
+from . import _cma, _consumer, _control, _producer, _shm, transports
 from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
-from ._flatten import flatten, leaf_from_buffer
 from ._meta import GroupRef, ObjectMeta, ProducerInfo
 from ._table import Entry, ObjectTable
 
@@ -83,17 +79,25 @@ class Stats:
         self._metrics = metrics
         self.data: Dict[str, Dict[str, int]] = collections.defaultdict(
             lambda: {"in": 0, "in_bytes": 0, "out": 0, "out_bytes": 0})
+        self.paths: Dict[str, int] = collections.defaultdict(int)  # fetches by the path that served them
 
-    def add(self, transport: str, direction: str, nbytes: int, seconds: Optional[float] = None) -> None:
+    def add(self, transport: str, direction: str, nbytes: int, seconds: Optional[float] = None,
+            path: Optional[str] = None) -> None:
         with self._lock:
             d = self.data[transport]
             d[direction] += 1
             d[direction + "_bytes"] += nbytes
+            if path is not None:
+                self.paths[path] += 1
         self._metrics.transfer(transport, direction, nbytes, seconds)
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         with self._lock:
             return {k: dict(v) for k, v in self.data.items()}
+
+    def paths_snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            return dict(self.paths)
 
 
 class RdtContext:
@@ -161,20 +165,25 @@ class RdtContext:
         except Exception:  # not an actor (driver, task)
             actor, actor_id = None, ""
         host = ray.util.get_node_ip_address()
-        self._server = _control.ControlServer(host, self._key_for, {
-            _control.REQ_FETCH_GROUP: self._serve_fetch_group,
-            _control.REQ_PREPARE_SHM: self._serve_prepare_shm,
-            _control.REQ_PREPARE_NIXL: self._serve_prepare_nixl,
-            _control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b""),
-        })
+        self._server = _control.ControlServer(host, self._key_for, self.control_handlers())
         from . import _nixl_objects
 
         return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
                             self.process_key, actor, actor_id, _nixl_objects.available())
 
-    def _inline_producer(self, info: ProducerInfo) -> ProducerInfo:
+    def control_handlers(self) -> Dict[int, Any]:
+        """What this process's control server answers: a ping, and every transport's own requests."""
+        handlers: Dict[int, Any] = {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")}
+        for name in transports.names():
+            if name != "auto":
+                for msg, handler in transports.get(name).handlers().items():
+                    handlers[msg] = lambda k, p, h=handler: h(self, k, p)
+        return handlers
+
+    def inline_producer(self, info: ProducerInfo) -> ProducerInfo:
+        """``info`` without the actor handle (inline objects are never served through the actor)."""
         light = self._producer_light
-        if light is None:
+        if light is None:  # noqa: SIM108
             light = self._producer_light = dataclasses.replace(info, actor=None)
         return light
 
@@ -198,76 +207,35 @@ class RdtContext:
             self._tag_counters[group_uid] = (base + max(n, 1)) % (1 << 28)
             return base
 
-    # ------------------------------------------------------------------ producer role
+    # ------------------------------------------------------------------ the two roles
     def produce(self, value: Any, transport: str, *, snapshot: bool = False, timeout: Optional[float] = None,
                 ipc_map: bool = False) -> Any:
-        """Keep ``value``'s tensors here and return the metadata that stands for it."""
-        flat = flatten(value)
-        if not flat.specs:
-            return value  # nothing to keep out of band
-        if snapshot:
-            flat.buffers = [b.clone() for b in flat.buffers]
-            flat.leaves = [leaf_from_buffer(s, flat.buffers) for s in flat.specs]
-        _check_transport_devices(flat, transport)
-        info = self.producer_info()
-        obj_id = secrets.token_bytes(16)
-        if flat.nbytes <= self.config.inline_threshold and all(b.device.type == "cpu" for b in flat.buffers):
-            # Small: the bytes travel inside the metadata, so nothing is held here and no lifetime token is
-            # needed (a nested token costs ~2 ms per round trip in Ray's borrower protocol).
-            self.table.add_weak(obj_id, flat.leaves)
-            inline = tuple(b.numpy().tobytes() for b in flat.buffers)
-            # No actor handle inside: an inline object is never served through the actor, and pickling a handle
-            # costs ~0.1 ms on each side of every round trip.
-            return ObjectMeta(obj_id, transport, self._inline_producer(info), flat.skeleton, tuple(flat.specs),
-                              tuple(flat.buffer_specs()), (), None, inline, timeout=timeout)
-        entry = Entry(obj_id, flat, transport)
-        shm = nixl = store_ref = cma = None
-        if transport in ("shm", "auto") and self._cma_readable() and all(b.device.type == "cpu" for b in flat.buffers):
-            entry.guard = _cma.guard_for(obj_id)
-            cma = _cma.CmaInfo(entry.guard.ctypes.data, tuple((b.data_ptr(), b.numel()) for b in flat.buffers))
-        elif transport == "shm":
-            shm = entry.shm = self.shm_pool.write(flat.buffers, obj_id)
-        elif transport == "nixl":
-            from . import _nixl_objects
+        """Keep ``value``'s tensors here and return the metadata that stands for it (see ``_producer``)."""
+        return _producer.produce(self, value, transport, snapshot=snapshot, timeout=timeout, ipc_map=ipc_map)
 
-            nixl = _nixl_objects.register(self, entry)
-        elif transport == "object_store":
-            store_ref = ray.put([b.cpu() for b in flat.buffers])
-        cuda_ipc = _export_cuda_ipc(entry, transport, ipc_map)
-        self.table.add(entry)
-        token = self.tokens().take()
-        core = ray._private.worker.global_worker.core_worker
-        if not core.add_object_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
-            logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", obj_id.hex())
-        return ObjectMeta(obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
-                          tuple(self.groups()), token, None, shm, nixl, store_ref, timeout, cuda_ipc, cma)
+    def resolve(self, meta: ObjectMeta) -> Any:
+        """Rebuild the value ``meta`` stands for in this process (see ``_consumer``)."""
+        return _consumer.resolve(self, meta)
 
-    def _cma_readable(self) -> bool:
+    def cma_readable(self) -> bool:
         """Whether same-node consumers can likely read this process's memory (else "shm" writes a segment)."""
         if self._cma_ok is None:
             self._cma_ok = _cma.supported() and _cma.yama_allows_siblings()
         return self.config.shm_cma and self._cma_ok
 
-    def _on_out_of_scope(self, obj_id: bytes) -> None:
-        # Runs on Ray's callback thread: must be quick. Dropping the entry releases the tensors.
+    def on_out_of_scope(self, obj_id: bytes) -> None:
+        """Runs on Ray's callback thread when an object's last reference died: must be quick, never raise."""
         try:
             self.table.free(obj_id)
         except Exception:  # never let an exception reach Ray's thread
             logger.exception("rdt: freeing %s failed", obj_id.hex())
 
     def _release(self, entry: Entry) -> None:
-        if entry.guard is not None:
-            _cma.clear(entry.guard)  # first: a direct read that ends after this sees the object gone
-        if entry.shm is not None:
-            self.shm_pool.release(entry.shm)
-        if entry.nixl is not None:
-            from . import _nixl_objects
-
-            _nixl_objects.release(self, entry)
-        if getattr(entry, "cuda_ipc", None) is not None:
-            from . import _cuda_ipc
-
-            _cuda_ipc.release(entry.cuda_ipc)
+        for t in transports.loaded():
+            try:
+                t.release(self, entry)
+            except Exception:  # noqa: BLE001 - freeing must never fail
+                logger.debug("rdt: %s could not release %s", t.name, entry.obj_id.hex(), exc_info=True)
 
     # ------------------------------------------------------------------ control-plane handlers
     def _key_for(self, key_id: int, payload: bytes) -> Optional[bytes]:
@@ -279,65 +247,6 @@ class RdtContext:
                 if g is not None and g.uid == uid:
                     return g.backend.config.secret
         return None
-
-    def _lookup(self, payload: bytes) -> Optional[Entry]:
-        return self.table.get(payload[:16]) if len(payload) >= 16 else None
-
-    def _serve_fetch_group(self, _key_id: int, payload: bytes) -> Any:
-        if len(payload) != 40:
-            return _err(_control.ERR_BAD_REQUEST, "malformed fetch request")
-        entry = self._lookup(payload)
-        if entry is None:
-            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-        uid = payload[16:32].hex()
-        rank, tag_base = struct.unpack("!II", payload[32:40])
-        group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
-        if group is None:
-            return _err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
-        if not 0 <= rank < group.world_size or rank == group.rank:
-            return _err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
-        self.stats.add(group.backend_name, "out", entry.nbytes)
-        timeout = self.config.transfer_timeout
-        if _control.waits_for_go(group.backend_name, entry.nbytes):
-            go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
-                                     make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
-            threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, timeout,
-                                                          entry.obj_id), name="rdt-send-wait", daemon=True).start()
-            return _control.RESP_OK, b""
-        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
-                 for i, buf in enumerate(entry.buffers)]
-        threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
-                         name="rdt-send-wait", daemon=True).start()
-        return _control.RESP_OK, b""
-
-    def _serve_prepare_shm(self, _key_id: int, payload: bytes) -> Any:
-        entry = self._lookup(payload)
-        if entry is None:
-            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-        with entry.lock:
-            if entry.shm is None:
-                entry.shm = self.shm_pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
-        self.stats.add("shm", "out", entry.nbytes)
-        seg = entry.shm
-        body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
-        return _control.RESP_OK, seg.name.encode() + b"\0" + body
-
-    def _serve_prepare_nixl(self, _key_id: int, payload: bytes) -> Any:
-        entry = self._lookup(payload)
-        if entry is None:
-            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-        from . import _nixl_objects
-
-        with entry.lock:
-            info = _nixl_objects.register(self, entry)
-        self.stats.add("nixl", "out", entry.nbytes)
-        return _control.RESP_OK, _nixl_objects.encode_info(info)
-
-    # ------------------------------------------------------------------ consumer role
-    def resolve(self, meta: ObjectMeta) -> Any:
-        from ._fetch import resolve
-
-        return resolve(self, meta)
 
     def shutdown(self) -> None:
         """Stop this process's rdt threads and free everything it holds (at exit, or explicitly); idempotent."""
@@ -363,71 +272,6 @@ class RdtContext:
         self._reaper.join(_lifecycle.JOIN_TIMEOUT_S)
 
 
-def _err(code: int, message: str) -> Any:
-    return _control.RESP_ERR, struct.pack("!H", code) + message.encode()
-
-
-def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
-                   obj_id: bytes) -> None:
-    """Post the object's sends once the consumer says its receives are posted (or give up at the timeout)."""
-    try:
-        go.wait(timeout)
-    except Exception as e:  # the consumer timed out or died; it reports its own error
-        logger.warning("rdt: rank %d never asked for the data of object %s: %s", rank, obj_id.hex(), e)
-        return
-    try:
-        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
-    except Exception as e:  # noqa: BLE001 - the group was aborted meanwhile
-        logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
-        return
-    _finish_sends(works, buffers, timeout, obj_id, rank)
-
-
-def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:
-    """Wait for posted sends off the control thread; buffers stay referenced until then."""
-    for w in works:
-        try:
-            w.wait(timeout)
-        except Exception as e:  # the consumer sees its own error; log ours with context
-            logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
-            return
-    del keepalive
-
-
-def _export_cuda_ipc(entry: Entry, transport: str, ipc_map: bool) -> Optional[Any]:
-    """CUDA IPC handles for an object's GPU buffers: always for "cuda_ipc", and for "auto" when all are CUDA."""
-    bufs = entry.buffers
-    if transport not in ("cuda_ipc", "auto") or not bufs or any(b.device.type != "cuda" for b in bufs):
-        return None
-    from . import _cuda_ipc
-
-    if transport == "cuda_ipc":
-        return _cuda_ipc.export(entry, ipc_map)
-    try:  # auto: an extra path, never a reason to fail the return
-        return _cuda_ipc.export(entry, ipc_map)
-    except Exception as e:  # noqa: BLE001
-        logger.debug("rdt: no CUDA IPC export for %s: %s", entry.obj_id.hex(), e)
-        return None
-
-
-def _check_transport_devices(flat: Any, transport: str) -> None:
-    from .errors import UnsupportedError
-
-    devices = {b.device.type for b in flat.buffers}
-    cpu_only = {"gloo": "cpu", "shm": "cpu"}
-    gpu_only = {"nccl": "cuda", "cuda_ipc": "cuda"}
-    if transport in cpu_only and devices - {"cpu"}:
-        raise UnsupportedError(
-            f"transport {transport!r} moves CPU tensors only, but the value holds {sorted(devices)} tensors",
-            hint="use tensor_transport='nccl', 'cuda_ipc' or 'nixl' for GPU tensors, or move them with .cpu()",
-        )
-    if transport in gpu_only and devices - {"cuda"}:
-        raise UnsupportedError(
-            f"transport {transport!r} moves CUDA tensors only, but the value holds {sorted(devices)} tensors",
-            hint="use tensor_transport='gloo', 'shm' or 'nixl' for CPU tensors, or move them with .cuda()",
-        )
-
-
 _context: Optional[RdtContext] = None
 _context_lock = threading.Lock()
 
@@ -449,3 +293,4 @@ def _forget_after_fork() -> None:
 
 
 _lifecycle.at_fork_child(_forget_after_fork)
+transports.base.install_context(get_context)

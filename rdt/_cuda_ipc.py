@@ -140,7 +140,7 @@ def export(entry: Any, ipc_map: bool = False) -> CudaIpcInfo:
             bufs[i] = buf.clone()
             items.append(_share(bufs[i]))
     info = CudaIpcInfo(tuple(items), bool(ipc_map))
-    entry.cuda_ipc = info
+    entry.exports["cuda_ipc"] = info
     return info
 
 

@@ -6,18 +6,29 @@ import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar
 
-from ._config import TRANSPORTS
 from .errors import InvalidArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _transport(name: str) -> Any:
+    from . import transports
+
+    return transports.get(name)
+
+
 def _check_transport(transport: Any) -> str:
-    if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
+    """A transport name this process knows and that may be named (built in, or registered by the user)."""
+    from . import transports
+
+    name = transport.lower() if isinstance(transport, str) else None
+    known = [n for n in transports.names() if n == "auto" or transports.get(n).capabilities.explicit]
+    if name not in known:
         raise InvalidArgumentError(
-            f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in TRANSPORTS)
+            f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in known)
+            + " (or register yours with rdt.register_transport in every process that makes or reads its objects)"
         )
-    return transport.lower()
+    return name
 
 
 def _check_timeout(timeout: Optional[float]) -> Optional[float]:
@@ -61,7 +72,7 @@ def tensor_method(
     seconds = _check_timeout(timeout)
     if not isinstance(ipc_map, bool):
         raise InvalidArgumentError(f"ipc_map must be True or False, got {ipc_map!r}", hint="pass ipc_map=True")
-    if ipc_map and transport not in ("cuda_ipc", "auto"):
+    if ipc_map and transport != "auto" and not _transport(transport).capabilities.can_map:
         raise InvalidArgumentError(
             f"ipc_map=True maps GPU memory over CUDA IPC, but tensor_transport is {transport!r}",
             hint="use tensor_transport='cuda_ipc' (or 'auto') with ipc_map=True, or drop ipc_map",

@@ -42,20 +42,22 @@ class ObjectMeta:
     """The ref's value: where the tensors are and how to rebuild the user's value around them."""
 
     obj_id: bytes
-    transport: str
+    transport: str  # what the producer asked for: a transport's name or "auto"
     producer: ProducerInfo
     skeleton: bytes
     specs: Tuple[TensorSpec, ...]
     buffers: Tuple[BufferSpec, ...]
     groups: Tuple[GroupRef, ...]
     token: Any  # ObjectRef owned by the producer; keeps the object alive while any holder exists
-    inline: Optional[Tuple[bytes, ...]] = None  # small objects: the bytes themselves
-    shm: Optional[Any] = None  # _shm.Segment, written at return time for transport "shm"
-    nixl: Optional[Any] = None  # NIXL descriptors, registered at return time for transport "nixl"
-    store_ref: Optional[Any] = None  # ObjectRef of the buffers, for transport "object_store"
+    exports: Tuple[Tuple[str, Any], ...] = ()  # (transport name, descriptor) for each transport that exported
     timeout: Optional[float] = None  # producer-chosen transfer timeout
-    cuda_ipc: Optional[Any] = None  # _cuda_ipc.CudaIpcInfo: IPC handles of GPU buffers, exported at return time
-    cma: Optional[Any] = None  # _cma.CmaInfo: where same-node consumers read the buffers ("shm", "auto" on CPU)
+
+    def export(self, name: str) -> Optional[Any]:
+        """The descriptor transport ``name`` attached at return time, or None."""
+        for n, desc in self.exports:
+            if n == name:
+                return desc
+        return None
 
     @property
     def id_hex(self) -> str:
@@ -76,15 +78,15 @@ def _rebuild(state: dict) -> Any:
     """Runs in the receiving process during deserialization: fetch the tensors and rebuild the value."""
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", state)
-    from ._context import get_context
     from .errors import RdtError
+    from .transports.base import context
 
+    ctx = context()
     try:
-        return get_context().resolve(meta)
+        return ctx.resolve(meta)
     except RdtError as err:
         import logging
 
-        ctx = get_context()
         ctx.metrics.transfer_error(meta.transport, type(err).__name__)
         logging.getLogger("rdt").warning(
             "rdt: fetching object=%s producer=%s (pid %d) transport=%s failed: %s: %s", meta.id_hex,

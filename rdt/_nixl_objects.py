@@ -140,8 +140,9 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
 
 def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
     """Register an object's buffers (once) and describe them for consumers."""
-    if entry.nixl is not None:
-        return entry.nixl[1]
+    known = entry.exports.get("nixl")
+    if known is not None:
+        return known[1]
     ag = agent(ctx)
     bufs = entry.buffers
     _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
@@ -152,16 +153,16 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
         md = ag.agent.get_partial_agent_metadata(reg, True)
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
     info = NixlInfo(ag.name, md, _mem_type(bufs), descs)
-    entry.nixl = (reg, info)
+    entry.exports["nixl"] = (reg, info)
     return info
 
 
 def release(ctx: "RdtContext", entry: "Entry") -> None:
     """Deregister an object's buffers when it is freed."""
-    if entry.nixl is None or ctx.nixl is None:
+    known = entry.exports.pop("nixl", None)
+    if known is None or ctx.nixl is None:
         return
-    reg, _ = entry.nixl
-    entry.nixl = None
+    reg, _ = known
     try:
         with ctx.nixl.lock:
             ctx.nixl.agent.deregister_memory(reg)

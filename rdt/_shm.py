@@ -119,6 +119,7 @@ class DeferredUnmapper:
             self._live[key] = mm
             if self._thread is None:
                 self._thread = _lifecycle.spawn(self._run, "rdt-unmap")
+                _lifecycle.at_exit(self.close)
         weakref.finalize(arr, self._queue.put, key)
         return torch.from_numpy(arr)
 

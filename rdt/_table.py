@@ -20,9 +20,9 @@ class Entry:
     flat: Flattened
     transport: str
     created: float = field(default_factory=time.monotonic)
-    shm: Optional[Any] = None  # _shm.Segment once written
-    nixl: Optional[Any] = None  # transport-specific registration handle
-    guard: Optional[Any] = None  # _cma guard (numpy array) while consumers may read the buffers directly
+    # Per-transport state attached by export/serve (a segment, a registration, a guard), released with the entry
+    exports: Dict[str, Any] = field(default_factory=dict)
+    options: Dict[str, Any] = field(default_factory=dict)  # per-object producer options (e.g. ipc_map)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

@@ -150,8 +150,8 @@ def table_state() -> Dict[str, int]:
     from rdt._context import get_context
 
     entries = get_context().table.entries()
-    return {"objects": len(entries), "nixl": sum(1 for e in entries if e.nixl is not None),
-            "shm": sum(1 for e in entries if e.shm is not None)}
+    return {"objects": len(entries), "nixl": sum(1 for e in entries if e.exports.get("nixl") is not None),
+            "shm": sum(1 for e in entries if e.exports.get("shm") is not None)}
 
 
 def control_address() -> Optional[str]:

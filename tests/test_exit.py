@@ -49,7 +49,7 @@ _FORK_SCRIPT = textwrap.dedent(
     obj_id = secrets.token_bytes(16)
     flat = flatten(torch.arange(1 << 16, dtype=torch.float32))
     entry = Entry(obj_id, flat, "shm")
-    entry.shm = ctx.shm_pool.write(flat.buffers, obj_id)
+    seg = entry.exports["shm"] = ctx.shm_pool.write(flat.buffers, obj_id)
     ctx.table.add(entry)
     spare = ctx.shm_pool.write(flat.buffers, secrets.token_bytes(16))
     ctx.shm_pool.release(spare)  # a pooled, free segment
@@ -63,7 +63,7 @@ _FORK_SCRIPT = textwrap.dedent(
         sys.exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
     print("CHILD_EXIT=" + str(os.waitstatus_to_exitcode(status)), flush=True)
-    bufs = _shm.map_segment(entry.shm.name, entry.shm.layout, obj_id)  # raises if the child cleared the header
+    bufs = _shm.map_segment(seg.name, seg.layout, obj_id)  # raises if the child cleared the header
     intact = bool(torch.equal(bufs[0].view(torch.float32), torch.arange(1 << 16, dtype=torch.float32)))
     del bufs
     pooled = os.path.exists(os.path.join(_shm.SHM_DIR, spare.name))

@@ -62,11 +62,16 @@ class GpuNode:
         return torch.ones(4, device="cuda")
 
     def describe(self, x):
-        from rdt._context import get_context
-
         t = x["w"] if isinstance(x, dict) else x
-        return {"device": str(t.device), "sum": float(t.sum().item()), "path": get_context().last_fetch[0],
+        return {"device": str(t.device), "sum": float(t.sum().item()), "path": self.last_path(),
                 "current": torch.cuda.current_device()}
+
+    def last_path(self):
+        """The path that served this actor's latest fetch (the one whose count grew since the previous call)."""
+        paths = rdt.stats()["paths"]
+        grown = [p for p, n in paths.items() if n > getattr(self, "_paths", {}).get(p, 0)]
+        self._paths = paths
+        return grown[0] if len(grown) == 1 else ",".join(sorted(grown))
 
     # ---- rdt_transports collectives inside the actor
     def run_collectives(self, group, rank, world):
@@ -138,7 +143,7 @@ def test_cuda_ipc_copy_between_actors_on_one_gpu(shared_gpu):
 def test_cuda_ipc_map(shared_gpu):
     a, b = shared_gpu
     info = ray.get(b.describe.remote(a.make_ipc_map.remote(N, 3.0)), timeout=120)
-    assert info["path"] == "cuda_ipc" and info["sum"] == 3.0 * N
+    assert info["path"] == "cuda_ipc-map" and info["sum"] == 3.0 * N
 
 
 def test_auto_prefers_cuda_ipc_on_one_node(shared_gpu):

@@ -17,9 +17,10 @@ import torch
 
 import rdt
 import rdt_transports
-from rdt import _cuda_ipc, _fetch
+from rdt import _consumer, _cuda_ipc, _nixl_objects
 from rdt._flatten import BufferSpec
 from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
+from rdt.transports import Site
 from rdt.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedError
 
 NO_CUDA = not torch.cuda.is_available()
@@ -30,18 +31,18 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 def _meta(device: str = "cuda:0", *, node: str = "node-A", nixl: bool = False, groups=(), ipc=None,
           transport: str = "auto") -> ObjectMeta:
     producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32, nixl)
+    exports = (("cuda_ipc", ipc),) if ipc is not None else ()
     return ObjectMeta(b"\x01" * 16, transport, producer, b"", (), (BufferSpec(1 << 20, device),), tuple(groups),
-                      None, cuda_ipc=ipc)
+                      None, exports)
+
+
+def _site(*, same_node: bool = True, in_actor: bool = True, groups=None, cuda=torch.device("cuda", 0)) -> Site:
+    return Site(same_node=same_node, in_actor=in_actor, task_argument=True, groups=groups or {}, cuda_device=cuda)
 
 
 def _ipc_info(uuid: str = "GPU-0000", map_: bool = False) -> _cuda_ipc.CudaIpcInfo:
     buf = _cuda_ipc.IpcBuffer(uuid, 0, b"h" * 64, 1 << 21, 4096, b"/torch_1_2", 7, b"e" * 64, True, 128, 1 << 20)
     return _cuda_ipc.CudaIpcInfo((buf,), map_)
-
-
-@pytest.fixture
-def same_node(monkeypatch):
-    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-A")
 
 
 # ------------------------------------------------------------------------------------------------ NCCL backend
@@ -120,59 +121,52 @@ def test_op_channel_device_follows_tensors_and_gpu_only_backends():
 
 
 # ------------------------------------------------------------------------------------------------ transport choice
-def test_choose_path_prefers_cuda_ipc_on_one_node(same_node, monkeypatch):
+def test_auto_prefers_cuda_ipc_on_one_node(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
-    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "cuda_ipc"
+    assert _consumer.choose(_meta(ipc=_ipc_info()), _site()) == "cuda_ipc"
 
 
-def test_choose_path_gpu_order_without_ipc(same_node, monkeypatch):
+def test_auto_gpu_order_without_ipc(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})  # producer's GPU not visible here
-    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: True)
-    assert _fetch.choose_path(_meta(ipc=_ipc_info(), nixl=True)) == "nixl"
-    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: False)
+    monkeypatch.setattr(_nixl_objects, "available", lambda: True)
+    assert _consumer.choose(_meta(ipc=_ipc_info(), nixl=True), _site()) == "nixl"
+    monkeypatch.setattr(_nixl_objects, "available", lambda: False)
     ref = GroupRef("u" * 32, "g", "nccl", 0)
-    monkeypatch.setattr(_fetch, "_common_group",
-                        lambda meta, backends: (object(), ref) if "nccl" in backends else None)
-    assert _fetch.choose_path(_meta(ipc=_ipc_info(), nixl=True, groups=[ref])) == "nccl"
-    monkeypatch.setattr(_fetch, "_common_group", lambda meta, backends: None)
-    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "object_store"
+    site = _site(groups={"nccl": (object(), ref)})
+    assert _consumer.choose(_meta(ipc=_ipc_info(), nixl=True, groups=[ref]), site) == "nccl"
+    assert _consumer.choose(_meta(ipc=_ipc_info()), _site()) == "object_store"
 
 
-def test_choose_path_gpu_other_node_skips_ipc(monkeypatch):
-    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-B")
+def test_auto_gpu_other_node_skips_ipc(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
-    monkeypatch.setattr(_fetch._nixl_objects, "available", lambda: False)
-    assert _fetch.choose_path(_meta(ipc=_ipc_info())) == "object_store"
+    monkeypatch.setattr(_nixl_objects, "available", lambda: False)
+    assert _consumer.choose(_meta(ipc=_ipc_info()), _site(same_node=False)) == "object_store"
 
 
-def test_choose_path_cpu_order_unchanged(same_node):
-    assert _fetch.choose_path(_meta("cpu")) == "shm"
+def test_auto_cpu_order_unchanged():
+    assert _consumer.choose(_meta("cpu"), _site(cuda=None)) == "shm"
+    assert _consumer.choose(_meta("cpu"), _site(same_node=False, cuda=None)) == "object_store"
 
 
 def test_gpu_objects_come_to_cpu_in_a_process_without_cuda(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "target_device", lambda: None)
-    assert _fetch._consumer_device(_meta()) == torch.device("cpu")
+    assert _consumer.site_for(_meta()).cuda_device is None
     monkeypatch.setattr(_cuda_ipc, "target_device", lambda: torch.device("cuda", 0))
-    assert _fetch._consumer_device(_meta()) == torch.device("cuda", 0)
-    assert _fetch._consumer_device(_meta("cpu")) == torch.device("cpu")
+    assert _consumer.site_for(_meta()).cuda_device == torch.device("cuda", 0)
+    assert _consumer.site_for(_meta("cpu")).cuda_device is None  # CPU objects never ask for a GPU
 
 
-def test_explicit_cuda_ipc_checks_before_anything_moves(same_node, monkeypatch):
+def test_explicit_cuda_ipc_checks_before_anything_moves(monkeypatch):
     meta = _meta(ipc=_ipc_info(), transport="cuda_ipc")
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})
-    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: torch.device("cuda", 0))
-    monkeypatch.setattr(_fetch, "_in_actor", lambda: True)
     with pytest.raises(UnsupportedError) as ei:
-        _fetch._check_cuda_ipc(meta)
+        _consumer.choose(meta, _site())
     assert "not visible" in str(ei.value) and ei.value.hint
-    monkeypatch.setattr(_fetch, "_in_actor", lambda: False)  # the driver: through host memory instead
-    assert _fetch._check_cuda_ipc(meta) == "object_store"
+    assert _consumer.choose(meta, _site(in_actor=False)) == "object_store"  # the driver: through host memory
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 3})
-    assert _fetch._check_cuda_ipc(meta) == "cuda_ipc"
-    monkeypatch.setattr(_fetch, "_node_id", lambda: "node-B")
-    monkeypatch.setattr(_fetch, "_in_actor", lambda: True)
+    assert _consumer.choose(meta, _site()) == "cuda_ipc"
     with pytest.raises(UnsupportedError, match="another node"):
-        _fetch._check_cuda_ipc(meta)
+        _consumer.choose(meta, _site(same_node=False))
 
 
 # ------------------------------------------------------------------------------------------------ metadata
@@ -182,11 +176,9 @@ def test_cuda_ipc_metadata_encoding():
     assert back == info and back.map is True and back.uuids() == ("GPU-0000",)
     b = back.buffers[0]
     assert (b.storage_offset, b.buffer_offset, b.nbytes, b.event_sync_required) == (4096, 128, 1 << 20, True)
-    fields = [f.name for f in dataclasses.fields(ObjectMeta)]
-    # appended after the original fields, with defaults: old positional constructions still work
-    assert fields[-2:] == ["cuda_ipc", "cma"]
-    assert all(f.default is None for f in dataclasses.fields(ObjectMeta)[-2:])
-    assert _meta().cuda_ipc is None and _meta(ipc=info).cuda_ipc is info
+    meta = _meta(ipc=info)
+    assert meta.export("cuda_ipc") is info and _meta().export("cuda_ipc") is None
+    assert pickle.loads(pickle.dumps(meta.exports)) == meta.exports  # descriptors travel inside the metadata
 
 
 def test_cuda_ipc_can_open_needs_every_gpu(monkeypatch):

@@ -362,11 +362,7 @@ def test_control_server_never_unpickles_payloads(ray_cluster, tmp_path, pickle_s
     from rdt._context import get_context
 
     ctx = get_context()  # the real handlers, in a server of our own
-    srv = _control.ControlServer("127.0.0.1", ctx._key_for, {
-        _control.REQ_FETCH_GROUP: ctx._serve_fetch_group,
-        _control.REQ_PREPARE_SHM: ctx._serve_prepare_shm,
-        _control.REQ_PREPARE_NIXL: ctx._serve_prepare_nixl,
-    })
+    srv = _control.ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
     try:
         for msg in (_control.REQ_FETCH_GROUP, _control.REQ_PREPARE_SHM, _control.REQ_PREPARE_NIXL):
             for payload in (evil, evil[:16], b"\0" * 16 + evil, evil + b"\0" * 40):
@@ -511,17 +507,20 @@ def test_reaper_removes_segments_of_killed_owner(tmp_path) -> None:
 
 
 def test_consumer_unlinks_segment_of_dead_owner(tmp_path) -> None:
-    from rdt._fetch import _fetch_shm
     from rdt._meta import ObjectMeta, ProducerInfo
     from rdt.errors import ProducerDiedError
+    from rdt.transports import Site
+    from rdt.transports.shm import ShmDescriptor, ShmTransport
 
     proc, name = _spawn_owner(tmp_path)
     _kill(proc)
     producer = ProducerInfo(b"\0" * 8, proc.pid, "node", "127.0.0.1:1", b"k" * 32, None, "", False)
+    desc = ShmDescriptor(segment=_shm.Segment(name, ((0, 4096),), 4096))
     meta = ObjectMeta(obj_id=b"\1" * 16, transport="shm", producer=producer, skeleton=b"", specs=(), buffers=(),
-                      groups=(), token=None, shm=_shm.Segment(name, ((0, 4096),), 4096))
+                      groups=(), token=None, exports=(("shm", desc),))
+    site = Site(same_node=True, in_actor=True, task_argument=True)
     with pytest.raises(ProducerDiedError, match=f"pid {proc.pid}"):
-        _fetch_shm(None, meta, 5.0)
+        ShmTransport().fetch(None, meta, site, time.monotonic() + 5.0)
     assert not os.path.exists(os.path.join(_shm.SHM_DIR, name))
 
 

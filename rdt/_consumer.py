@@ -1,0 +1,176 @@
+"""The consumer role: turn an ObjectMeta back into the producer's value, by the best path available.
+
+The producer itself gets its very own tensors. Anywhere else the consumer builds a :class:`~rdt.transports.Site`
+(same node? in an actor? which groups in common?), picks the object's transport (or walks ``auto``'s chain:
+the first transport that carries the object's devices, fits the site and sets up), fetches, and rebuilds the value.
+A transport that does not fit falls back to the object store unless it refuses with a typed error. Within one
+task, the same object passed twice is fetched once. Transports are reached only through the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from rdt_transports._context import get_context as get_transport_context
+
+from . import _cuda_ipc, transports
+from ._flatten import leaf_from_buffer, unflatten
+from ._meta import ObjectMeta
+from ._peer import died, freed, producer_alive
+from ._runtime import in_actor, node_id, task_id
+from .errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
+from .transports import Fetched, SetupFailed, Site, Transport
+
+logger = logging.getLogger("rdt")
+
+def resolve(ctx: Any, meta: ObjectMeta) -> Any:
+    """Rebuild the value ``meta`` stands for in this process."""
+    if ctx.is_me(meta.producer):
+        entry = ctx.table.get(meta.obj_id)
+        if entry is not None:
+            return unflatten(meta.skeleton, entry.flat.leaves)
+        carried = _self_contained(meta) is not None
+        leaves = ctx.table.get_weak(meta.obj_id) if carried else None
+        if leaves is not None:
+            return unflatten(meta.skeleton, leaves)
+        if not carried:
+            raise freed(meta, "was already freed in its producer")
+    task = task_id()
+    key = (task, meta.obj_id)
+    if task is not None:
+        cached = ctx.fetch_cache.get(key)
+        if cached is not None:
+            leaves = [r() for r in cached]
+            if all(x is not None for x in leaves):
+                return unflatten(meta.skeleton, leaves)
+    start = time.monotonic()
+    fetched, name = fetch(ctx, meta)
+    elapsed = time.monotonic() - start
+    ctx.stats.add(name, "in", meta.nbytes, elapsed, path=fetched.label)
+    logger.debug("rdt: fetched object=%s producer=%s path=%s bytes=%d in %.4fs", meta.id_hex,
+                 meta.producer.actor_id[:12], fetched.label, meta.nbytes, elapsed)
+    leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
+    if fetched.keepalive is not None:
+        _keep_alive(leaves, fetched.keepalive)
+    if task is not None and len(meta.specs):
+        _remember(ctx, key, leaves)
+    return unflatten(meta.skeleton, leaves)
+
+
+def site_for(meta: ObjectMeta, *, task_argument: bool = True) -> Site:
+    """Where this process stands relative to ``meta``'s producer."""
+    groups: Dict[str, Tuple[Any, Any]] = {}
+    mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
+    for ref in meta.groups:
+        g = mine.get(ref.uid)
+        if g is not None and g.state.value == "healthy":
+            groups.setdefault(ref.backend, (g, ref))
+    cuda = _cuda_ipc.target_device() if any(b.device.startswith("cuda") for b in meta.buffers) else None
+    return Site(same_node=meta.producer.node_id == node_id(), in_actor=in_actor(), task_argument=task_argument,
+                groups=groups, cuda_device=cuda)
+
+
+def candidates(meta: ObjectMeta, site: Site, ctx: Any = None) -> List[Transport]:
+    """The transports to try for ``meta`` here, in order (explicit: the one named, or the fallback it allows)."""
+    devices = transports.device_types(meta)
+    if meta.transport != "auto":
+        chosen = transports.get(meta.transport)
+        why = _unfit(ctx, chosen, meta, site, devices)
+        if why is None:
+            return [chosen]
+        if why.error is not None:
+            raise why.error
+        return [transports.fallback()]
+    chain = [t for t in transports.auto_chain() if _unfit(ctx, t, meta, site, devices) is None]
+    return chain or [transports.fallback()]
+
+
+def choose(meta: ObjectMeta, site: Optional[Site] = None, ctx: Any = None) -> str:
+    """The name of the transport a fetch of ``meta`` would try first here (for tests and diagnostics)."""
+    return candidates(meta, site or site_for(meta), ctx)[0].name
+
+
+def _unfit(ctx: Any, t: Transport, meta: ObjectMeta, site: Site,
+           devices: frozenset) -> Optional[transports.Unusable]:
+    """Why ``t`` cannot serve ``meta`` here (its own verdict first: it decides whether that is an error)."""
+    caps = t.capabilities
+    if not caps.carries(devices):
+        return transports.Unusable(f"{caps.name} does not carry {sorted(devices)} buffers")
+    own = t.unusable(ctx, meta, site)
+    if own is not None:
+        return own
+    if caps.same_node and not site.same_node:
+        return transports.Unusable("the producer is on another node")
+    if caps.group_backend is not None and caps.group_backend not in site.groups:
+        return transports.Unusable(f"no common {caps.group_backend} group")
+    return None
+
+
+def fetch(ctx: Any, meta: ObjectMeta) -> Tuple[Fetched, str]:
+    """The object's buffers in this process, and the name of the transport that served them."""
+    carrier = _self_contained(meta)
+    if carrier is not None:
+        return carrier.fetch(ctx, meta, site_for(meta), time.monotonic()), carrier.name
+    timeout = meta.timeout or ctx.config.transfer_timeout
+    deadline = time.monotonic() + timeout
+    site = site_for(meta)
+    chain = candidates(meta, site, ctx)
+    for i, t in enumerate(chain):
+        try:
+            return t.fetch(ctx, meta, site, deadline), t.name
+        except SetupFailed as e:
+            if i + 1 < len(chain):
+                logger.debug("rdt: %s could not set up for %s (%s); trying %s", t.name, meta.id_hex, e,
+                             chain[i + 1].name)
+                continue
+            raise ObjectFetchError(f"fetching {meta.describe()} over {t.name} could not set up: {e}",
+                                   object_id=meta.id_hex) from e
+        except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
+            raise
+        except TimeoutError as e:
+            raise TransferTimeoutError(
+                f"fetching {meta.describe()} over {t.name} did not finish within {timeout:.1f}s: {e}",
+                object_id=meta.id_hex,
+                hint="the producer may be dead or stuck; raise rdt.configure(transfer_timeout=...) for huge objects",
+            ) from e
+        except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets)
+            if not producer_alive(ctx, meta):
+                raise died(meta, e) from e
+            raise ObjectFetchError(f"fetching {meta.describe()} over {t.name} failed: {type(e).__name__}: {e}",
+                                   object_id=meta.id_hex) from e
+    raise AssertionError("unreachable: the chain is never empty")
+
+
+def _self_contained(meta: ObjectMeta) -> Optional[Transport]:
+    """The transport whose descriptor in ``meta`` carries the bytes themselves, if any."""
+    for name, _ in meta.exports:
+        t = transports.get(name)
+        if t.capabilities.self_contained:
+            return t
+    return None
+
+
+def _remember(ctx: Any, key: Tuple[Any, bytes], leaves: List[Any]) -> None:
+    """Weakly remember what a task received so the same ref in the same task maps to the same tensors."""
+    def drop(_ref: Any, key: Tuple[Any, bytes] = key) -> None:
+        ctx.fetch_cache.pop(key, None)
+
+    try:
+        ctx.fetch_cache[key] = [weakref.ref(x, drop) for x in leaves]
+    except TypeError:  # a leaf kind without weakref support: just don't cache
+        pass
+
+
+def _keep_alive(leaves: List[Any], holder: Any) -> None:
+    """Each leaf holds ``holder`` (e.g. the lifetime token of the producer memory it views)."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            try:
+                leaf._rdt_keepalive = holder
+            except (AttributeError, TypeError):  # a tensor subclass without __dict__
+                pass

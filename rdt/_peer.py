@@ -1,0 +1,81 @@
+"""What a consumer knows of an object's producer: is it alive, ask it over the control channel, name its death.
+
+Shared by the consumer core and the transports (below both; imports neither).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from . import _control, _shm
+from ._meta import ObjectMeta
+from ._runtime import node_id
+from .errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
+
+
+def producer_alive(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> bool:
+    """False only on proof of death: the pid is gone (same node) or nothing listens on its control port.
+
+    A ping that times out means stuck or slow, not dead (a stopped process answers nothing but is alive).
+    """
+    if meta.producer.node_id == node_id() and not _shm.pid_alive(meta.producer.pid):
+        return False
+    for _ in range(2):  # a pooled connection that breaks proves nothing: the second try opens a fresh one
+        try:
+            ctx.client.request(meta.producer.control_address, _control.REQ_PING, _control.KEY_PROCESS,
+                               meta.producer.process_key, b"", ping_timeout)
+            return True
+        except ConnectionRefusedError:
+            return False
+        except (ConnectionError, _control.ProtocolError):
+            continue
+        except Exception:
+            return True
+    return True
+
+
+def died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:
+    """The error for an object whose producer is gone."""
+    return ProducerDiedError(
+        f"the producer of {meta.describe()} (actor {meta.producer.actor_id[:12] or 'driver'}, pid "
+        f"{meta.producer.pid}) is unreachable: {cause}",
+        object_id=meta.id_hex,
+        hint="the producer died; its objects are lost. Re-run the producing method on a live actor",
+    )
+
+
+def freed(meta: ObjectMeta, detail: str = "was freed before it was fetched") -> ObjectFreedError:
+    """The error for an object its producer no longer holds."""
+    return ObjectFreedError(f"{meta.describe()} {detail}", object_id=meta.id_hex,
+                            hint="keep a reference to the ObjectRef until every consumer has run")
+
+
+def control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: bytes, payload: bytes,
+                    timeout: float) -> bytes:
+    """One authenticated request to the producer's control server; typed errors for death, refusal and freeing."""
+    try:
+        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout)
+    except (ConnectionError, OSError) as e:
+        if isinstance(e, TimeoutError):
+            raise
+        if isinstance(e, ConnectionRefusedError) or not producer_alive(ctx, meta):
+            raise died(meta, e) from e
+        # Alive but it dropped the request: e.g. it left the group whose secret signed it.
+        raise ObjectFetchError(
+            f"the producer of {meta.describe()} is alive but refused the request ({e})", object_id=meta.id_hex,
+            hint="the producer may have left the group the object was made in; re-create the group or use "
+            "tensor_transport='auto'",
+        ) from e
+    if resp_type == _control.RESP_OK:
+        return resp
+    code = struct.unpack_from("!H", resp)[0] if len(resp) >= 2 else 0
+    text = resp[2:].decode(errors="replace")
+    if code == _control.ERR_NOT_FOUND:
+        raise freed(meta, f"is gone from its producer: {text}")
+    raise ObjectFetchError(f"the producer refused to serve {meta.describe()}: {text}", object_id=meta.id_hex)
+
+
+def err(code: int, message: str) -> Any:
+    """A control error response."""
+    return _control.RESP_ERR, struct.pack("!H", code) + message.encode()

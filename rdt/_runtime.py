@@ -1,0 +1,34 @@
+"""Where this process stands in Ray: node, actor or not, current task (cheap lookups, never raising)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ray
+
+
+def node_id() -> str:
+    """This process's Ray node id ("" outside Ray)."""
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return ""
+
+
+def in_actor() -> bool:
+    """Whether this process is a Ray actor."""
+    try:
+        return ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
+def task_id() -> Optional[str]:
+    """The running task's id in a worker (None on the driver, where Ray would warn for asking)."""
+    worker = ray._private.worker.global_worker
+    if worker.mode != ray.WORKER_MODE:
+        return None
+    try:
+        return ray.get_runtime_context().get_task_id()
+    except Exception:
+        return None

@@ -1,0 +1,145 @@
+"""The object layer's transport contract: what a transport declares, and the four things it does.
+
+A transport moves one object's buffers (uint8 byte ranges of the producer's storages, see ``_flatten``) from the
+process that produced them to one that asks. It declares :class:`Capabilities`; the consumer core checks them (and
+asks :meth:`Transport.unusable`) before it calls :meth:`Transport.fetch`, so a transport may assume that every
+buffer is on a device it declared and that a common group / the same node exists where it said it needs one.
+
+The life of an object, as seen by a transport:
+
+1. **export** (producer, at return): attach what consumers need to the object's metadata, a small picklable
+   *descriptor* (or nothing: a transport can export lazily, when the first consumer asks).
+2. **serve** (producer, on rdt's control thread, never in the actor's task queue): answer the control requests it
+   registered in :meth:`Transport.handlers`. The request carries the consumer's remaining time as relative seconds.
+3. **fetch** (consumer): land the buffers in this process and name the path that served (``label``: shown by
+   ``rdt.stats`` and the benchmark). A transport that declares ``receive_into`` fills the buffers it is given with no
+   intermediate copy; the others return their own buffers and the core copies where the caller asked for targets.
+4. **release** (producer, when the last reference died): drop whatever export/serve attached to the entry.
+
+Transports import only this module, the shared helpers below the cores and ``rdt_transports``; they never import the
+producer or consumer core. A transport that cannot set up where it runs (no NIXL agent, an IPC handle that does not
+open, no room for a segment) raises :class:`SetupFailed`, and ``auto`` moves on to the next transport of its chain.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .._meta import ObjectMeta
+    from .._table import Entry
+
+Handler = Callable[[Any, int, bytes], Tuple[int, bytes]]  # (ctx, key id, payload) -> (response type, payload)
+
+
+class SetupFailed(Exception):
+    """The transport cannot be set up in this process or for this object; ``auto`` tries the next one."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do; checked by the cores before it is called."""
+
+    name: str
+    devices: FrozenSet[str]  # device types of buffers it carries ("cpu", "cuda")
+    one_sided: bool = False  # a fetch needs nothing from the producer's Python (it may be busy or stopped)
+    group_backend: Optional[str] = None  # needs a healthy group of this rdt_transports backend with the producer
+    same_node: bool = False  # producer and consumer must share a node
+    receive_into: bool = False  # fills caller-given buffers without an intermediate copy
+    mixed_devices: bool = False  # one object's buffers may sit on different device types
+    serves_from_holder: bool = False  # a consumer that holds the bytes can serve later consumers (relay)
+    self_contained: bool = False  # the descriptor carries the bytes: nothing is held in the producer
+    universal: bool = False  # reaches the producer from any process: where other transports do not fit
+    can_map: bool = False  # can hand consumers views of the producer's memory (tensor_method(ipc_map=True))
+    auto_priority: Optional[int] = None  # place in auto's chain (lower first); None: never chosen by auto
+    explicit: bool = True  # may be named in tensor_method(tensor_transport=...)
+
+    def carries(self, devices: FrozenSet[str]) -> bool:
+        """Whether an object whose buffers are on ``devices`` (device types) fits this transport."""
+        if not devices:
+            return True
+        if len(devices) > 1 and not self.mixed_devices:
+            return False
+        return devices <= self.devices
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a consumer stands relative to an object's producer; built once per fetch by the consumer core."""
+
+    same_node: bool
+    in_actor: bool
+    task_argument: bool  # resolving a task's argument (not an explicit get): some refusals are errors there
+    groups: Mapping[str, Any] = field(default_factory=dict)  # healthy common groups by backend name
+    cuda_device: Optional[torch.device] = None  # this process's current CUDA device, if any
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """Why a transport cannot serve a fetch here: ``error`` set means refuse (raise it), else fall back."""
+
+    reason: str
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class Fetched:
+    """What a fetch produced: one buffer per BufferSpec (in this process) and the path that served it."""
+
+    buffers: List[torch.Tensor]
+    label: str
+    keepalive: Optional[Any] = None  # held by every rebuilt leaf (e.g. the token behind mapped producer memory)
+
+
+class Transport(abc.ABC):
+    """One way to move an object's buffers. Subclasses set ``capabilities`` and implement :meth:`fetch`."""
+
+    capabilities: ClassVar[Capabilities]
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    def export(self, ctx: Any, entry: "Entry", chosen: str) -> Optional[Any]:
+        """Producer, at return (``chosen`` is this transport or "auto"): the descriptor, or None for lazy export."""
+        return None
+
+    def unusable(self, ctx: Any, meta: "ObjectMeta", site: Site) -> Optional[Unusable]:
+        """Consumer: why this process cannot fetch ``meta`` this way (beyond the capabilities), or None."""
+        return None
+
+    @abc.abstractmethod
+    def fetch(self, ctx: Any, meta: "ObjectMeta", site: Site, deadline: float) -> Fetched:
+        """Consumer: the object's buffers in this process; typed rdt errors, TimeoutError or SetupFailed."""
+
+    def handlers(self) -> Dict[int, Handler]:
+        """Producer: control requests this transport serves (message type -> handler), on the control thread."""
+        return {}
+
+    def release(self, ctx: Any, entry: "Entry") -> None:
+        """Producer: the object was freed; undo what export and serve attached to ``entry``. Never raises."""
+
+
+_context_getter: Optional[Callable[[], Any]] = None
+
+
+def install_context(getter: Callable[[], Any]) -> None:
+    """Called once by the core: how a transport's code running inside the producer finds this process's context."""
+    global _context_getter
+    _context_getter = getter
+
+
+def context() -> Any:
+    """This process's rdt context (for code Ray runs in the producer, e.g. through ``__ray_call__``)."""
+    if _context_getter is None:
+        raise RuntimeError("rdt's context is not installed in this process (rdt._context was never imported)")
+    return _context_getter()
+
+
+def device_types(meta: "ObjectMeta") -> FrozenSet[str]:
+    """The device types of an object's buffers ("cpu", "cuda")."""
+    return frozenset(b.device.split(":")[0] for b in meta.buffers)

@@ -1,0 +1,204 @@
+"""Objects over a collective group (Gloo, NCCL, UCX): the consumer asks, the producer posts sends, bytes move on
+the group's own backend between two members.
+
+Fetch: the consumer picks tags, asks the producer's control server (authenticated with the group's secret) to post
+the sends, posts its receives and waits while watching that the producer lives. Serve: the producer posts one send
+per buffer on its control thread and lets a waiter finish them, so the actor's task queue is never involved. From
+``_control.GO_MIN_BYTES`` on, a Gloo producer sends only once the consumer says its receives are posted.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import wait as futures_wait
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from rdt_transports._context import get_context as get_transport_context
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
+from rdt_transports.group import TAG_OBJECT, make_tag
+
+from .. import _control
+from .._meta import GroupRef, ObjectMeta
+from .._peer import control_request, died, err, producer_alive
+from ..errors import NoCollectiveGroupError, ObjectFetchError
+from .base import Capabilities, Fetched, Handler, Site, Transport, Unusable
+
+logger = logging.getLogger("rdt")
+
+
+def common_group(meta: ObjectMeta, backend: str) -> Optional[Tuple[Any, GroupRef]]:
+    """A healthy group of ``backend`` that both this process and the producer are in (and the producer's rank)."""
+    mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
+    for ref in meta.groups:
+        g = mine.get(ref.uid)
+        if g is not None and ref.backend == backend and g.state.value == "healthy":
+            return g, ref
+    return None
+
+
+class _GroupTransport(Transport):
+    """Shared by the group backends; subclasses only declare their capabilities."""
+
+    def unusable(self, ctx: Any, meta: ObjectMeta, site: Site) -> Optional[Unusable]:
+        if self.name in site.groups:
+            return None
+        reason = f"this process shares no healthy {self.name} group with the producer"
+        if not site.in_actor:
+            return Unusable(reason)  # the driver or a task: falls back to the object store
+        return Unusable(reason, NoCollectiveGroupError(
+            f"{meta.describe()} uses transport {self.name!r} but this actor shares no healthy {self.name} group "
+            f"with its producer (actor {meta.producer.actor_id[:12]})",
+            object_id=meta.id_hex,
+            hint=f"call rdt.create_collective_group([producer, consumer, ...], backend={self.name!r}) from the "
+            "driver before passing the ref, or use tensor_transport='auto'",
+        ))
+
+    def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
+        group, ref = site.groups[self.name]
+        return Fetched(_fetch_group(ctx, meta, group, ref, site, deadline), self.name)
+
+    def handlers(self) -> Dict[int, Handler]:
+        return {_control.REQ_FETCH_GROUP: _serve_fetch_group}
+
+
+class GlooTransport(_GroupTransport):
+    capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,
+                                auto_priority=20)
+
+
+class NcclTransport(_GroupTransport):
+    capabilities = Capabilities(name="nccl", devices=frozenset({"cuda"}), group_backend="nccl", receive_into=True,
+                                auto_priority=40)
+
+
+class UcxTransport(_GroupTransport):
+    capabilities = Capabilities(name="ucx", devices=frozenset({"cpu", "cuda"}), group_backend="ucx",
+                                receive_into=True, auto_priority=25, explicit=False)
+
+
+# ------------------------------------------------------------------------------------------------ producer
+def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
+    if len(payload) != 40:
+        return err(_control.ERR_BAD_REQUEST, "malformed fetch request")
+    entry = ctx.table.get(payload[:16])
+    if entry is None:
+        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+    uid = payload[16:32].hex()
+    rank, tag_base = struct.unpack("!II", payload[32:40])
+    group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
+    if group is None:
+        return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
+    if not 0 <= rank < group.world_size or rank == group.rank:
+        return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
+    ctx.stats.add(group.backend_name, "out", entry.nbytes)
+    timeout = ctx.config.transfer_timeout
+    if _control.waits_for_go(group.backend_name, entry.nbytes):
+        go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
+                                 make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
+        threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, timeout,
+                                                      entry.obj_id), name="rdt-send-wait", daemon=True).start()
+        return _control.RESP_OK, b""
+    works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
+             for i, buf in enumerate(entry.buffers)]
+    threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
+                     name="rdt-send-wait", daemon=True).start()
+    return _control.RESP_OK, b""
+
+
+def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
+                   obj_id: bytes) -> None:
+    """Post the object's sends once the consumer says its receives are posted (or give up at the timeout)."""
+    try:
+        go.wait(timeout)
+    except Exception as e:  # the consumer timed out or died; it reports its own error
+        logger.warning("rdt: rank %d never asked for the data of object %s: %s", rank, obj_id.hex(), e)
+        return
+    try:
+        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
+    except Exception as e:  # noqa: BLE001 - the group was aborted meanwhile
+        logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+        return
+    _finish_sends(works, buffers, timeout, obj_id, rank)
+
+
+def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:
+    """Wait for posted sends off the control thread; buffers stay referenced until then."""
+    for w in works:
+        try:
+            w.wait(timeout)
+        except Exception as e:  # the consumer sees its own error; log ours with context
+            logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+            return
+    del keepalive
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+_ordered_locks: Dict[Tuple[str, int], threading.Lock] = {}
+_ordered_guard = threading.Lock()
+
+
+def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
+                 deadline: float) -> List[torch.Tensor]:
+    if group.backend_name != "nccl":
+        return _fetch_group_unordered(ctx, meta, group, ref, site, deadline)
+    # NCCL matches a direction's sends and receives in issue order, not by tag: one fetch at a time per
+    # producer, so the producer posts its sends in the order this process posts its receives.
+    with _ordered_guard:
+        lock = _ordered_locks.setdefault((group.uid, ref.rank), threading.Lock())
+    if not lock.acquire(timeout=max(deadline - time.monotonic(), 1e-3)):
+        raise TimeoutError("waited for an earlier NCCL fetch from the same producer until the deadline")
+    try:
+        return _fetch_group_unordered(ctx, meta, group, ref, site, deadline)
+    finally:
+        lock.release()
+
+
+def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
+                           deadline: float) -> List[torch.Tensor]:
+    n = len(meta.buffers)
+    tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message
+    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
+    control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
+                    payload, max(deadline - time.monotonic(), 1e-3))
+    device = site.cuda_device if site.cuda_device is not None and any(
+        b.device.startswith("cuda") for b in meta.buffers) else torch.device("cpu")
+    bufs = [ctx.buffers.empty(b.nbytes) if device.type == "cpu"
+            else torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
+    try:
+        works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
+        if _control.waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
+            works.append(group.backend.isend(torch.ones(1, dtype=torch.uint8), ref.rank,
+                                             make_tag(TAG_OBJECT, tag_base + n)))
+        _wait_watching_producer(ctx, meta, works, deadline)
+    except CollectiveTimeoutError as e:
+        group._mark_errored(e)
+        raise TimeoutError(str(e)) from e
+    except CommunicationError as e:
+        group._mark_errored(e)
+        if not producer_alive(ctx, meta):
+            raise died(meta, e) from e
+        raise ObjectFetchError(f"receiving {meta.describe()} over group {group.name!r} failed: {e}",
+                               object_id=meta.id_hex) from e
+    return bufs
+
+
+def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadline: float) -> None:
+    """Wait for posted receives while checking, every half second, that the producer still lives.
+
+    A two-sided receive does not notice a sender that dies mid-message (TCP may stay half-open), so without
+    this the consumer would sit out the whole transfer timeout.
+    """
+    def wait_all() -> None:
+        for w in works:
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+
+    future = ctx.waiters.submit(wait_all)
+    while not futures_wait([future], timeout=0.5).done:
+        if not producer_alive(ctx, meta, ping_timeout=0.5):
+            raise died(meta, ConnectionError("the producer died during the transfer"))
+    future.result()

@@ -1,0 +1,75 @@
+"""NIXL objects: the consumer READs the producer's registered buffers one-sidedly, no group needed.
+
+Export: an explicit "nixl" object is registered at return and its descriptors ride in the metadata; under "auto"
+registration waits for the first consumer that asks (a control request answered on the producer's control thread).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from .. import _control, _nixl_objects
+from .._meta import ObjectMeta
+from .._peer import control_request, died, err, producer_alive
+from ..errors import ObjectFetchError
+from .base import Capabilities, Fetched, Handler, Site, Transport, Unusable
+
+
+class NixlTransport(Transport):
+    capabilities = Capabilities(name="nixl", devices=frozenset({"cpu", "cuda"}), one_sided=True, auto_priority=30)
+
+    def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[_nixl_objects.NixlInfo]:
+        if chosen != "nixl":
+            return None  # auto: registered when the first consumer asks
+        return _nixl_objects.register(ctx, entry)
+
+    def unusable(self, ctx: Any, meta: ObjectMeta, site: Site) -> Optional[Unusable]:
+        if not _nixl_objects.available():
+            return Unusable("NIXL is not installed in this process", ObjectFetchError(
+                f"{meta.describe()} needs NIXL, which is not installed in this process", object_id=meta.id_hex,
+                hint="pip install 'rdt[nixl]'"))
+        if not meta.producer.nixl:
+            return Unusable("NIXL is not installed in the producer")
+        return None
+
+    def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
+        info = meta.export("nixl")
+        if info is None:
+            resp = control_request(ctx, meta, _control.REQ_PREPARE_NIXL, _control.KEY_PROCESS,
+                                   meta.producer.process_key, meta.obj_id, _left(deadline))
+            info = _nixl_objects.decode_info(resp)
+        device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
+        try:
+            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline)), "nixl")
+        except TimeoutError:
+            if not producer_alive(ctx, meta):
+                raise died(meta, TimeoutError("NIXL READ timed out")) from None
+            raise
+        except RuntimeError as e:
+            if not producer_alive(ctx, meta):
+                raise died(meta, e) from e
+            raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
+
+    def handlers(self) -> Dict[int, Handler]:
+        return {_control.REQ_PREPARE_NIXL: _serve_prepare}
+
+    def release(self, ctx: Any, entry: Any) -> None:
+        _nixl_objects.release(ctx, entry)
+
+
+def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
+    """Producer: register the object (once) and describe it for the asking consumer."""
+    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
+    if entry is None:
+        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+    with entry.lock:
+        info = _nixl_objects.register(ctx, entry)
+    ctx.stats.add("nixl", "out", entry.nbytes)
+    return _control.RESP_OK, _nixl_objects.encode_info(info)
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 1e-3)

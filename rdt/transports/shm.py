@@ -1,0 +1,106 @@
+"""Same-node objects: a direct read of the producer's memory (``process_vm_readv``), or a shared-memory segment.
+
+Export: where the kernel lets same-node consumers read this process (see ``_cma``), a guard naming the object and
+the buffers' addresses; otherwise, for an explicit "shm" object, a segment written at return. Fetch: a direct read
+into recycled receive buffers; any failed read asks the producer, which answers authoritatively (a segment written
+on demand, the object freed, or nothing: the producer died).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import _cma, _control, _shm
+from .._meta import ObjectMeta
+from .._peer import control_request, died, err, freed, producer_alive
+from .base import Capabilities, Fetched, Handler, Site, Transport
+
+logger = logging.getLogger("rdt")
+
+
+@dataclass(frozen=True)
+class ShmDescriptor:
+    """Where a same-node consumer finds the bytes: the producer's memory (``cma``) and/or a segment."""
+
+    cma: Optional[_cma.CmaInfo] = None
+    segment: Optional[_shm.Segment] = None
+
+
+class ShmTransport(Transport):
+    capabilities = Capabilities(name="shm", devices=frozenset({"cpu"}), one_sided=True, same_node=True,
+                                auto_priority=10)
+
+    def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[ShmDescriptor]:
+        if ctx.cma_readable():
+            guard = entry.exports["cma_guard"] = _cma.guard_for(entry.obj_id)
+            return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data,
+                                                  tuple((b.data_ptr(), b.numel()) for b in entry.buffers)))
+        if chosen == "shm":
+            seg = entry.exports["shm"] = ctx.shm_pool.write(entry.buffers, entry.obj_id)
+            return ShmDescriptor(segment=seg)
+        return None  # auto: a segment only when a consumer asks
+
+    def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
+        desc: Optional[ShmDescriptor] = meta.export("shm")
+        info = desc.cma if desc is not None else None
+        if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
+            bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+            try:
+                ctx.cma.read(meta.producer.pid, info, [b.data_ptr() for b in bufs], meta.obj_id)
+                return Fetched(bufs, "shm-direct")
+            except _cma.CmaError as e:
+                # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
+                # authoritative answer (a segment, ObjectFreedError, or ProducerDiedError).
+                logger.debug("rdt: direct read of %s failed (%s); asking the producer for a segment", meta.id_hex, e)
+        seg = desc.segment if desc is not None else None
+        if seg is None:
+            resp = control_request(ctx, meta, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,
+                                   meta.producer.process_key, meta.obj_id, max(deadline - time.monotonic(), 1e-3))
+            name, _, body = resp.partition(b"\0")
+            (n,) = struct.unpack_from("!I", body)
+            layout = [struct.unpack_from("!QQ", body, 4 + 16 * i) for i in range(n)]
+            return Fetched(_map(ctx, meta, name.decode(), layout), "shm-segment")
+        if not _shm.owner_alive(seg.name):  # same node, so the pid in the name is meaningful
+            _shm.unlink(seg.name)
+            raise died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
+        return Fetched(_map(ctx, meta, seg.name, seg.layout), "shm-segment")
+
+    def handlers(self) -> Dict[int, Handler]:
+        return {_control.REQ_PREPARE_SHM: _serve_prepare}
+
+    def release(self, ctx: Any, entry: Any) -> None:
+        guard = entry.exports.pop("cma_guard", None)
+        if guard is not None:
+            _cma.clear(guard)  # first: a direct read that ends after this sees the object gone
+        seg = entry.exports.pop("shm", None)
+        if seg is not None:
+            ctx.shm_pool.release(seg)
+
+
+def _map(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tensor]:
+    try:
+        return _shm.map_segment(name, layout, meta.obj_id, ctx.unmapper if ctx is not None else None)
+    except FileNotFoundError as e:
+        if isinstance(e, _shm.SegmentReused) or producer_alive(ctx, meta):
+            raise freed(meta) from e
+        raise died(meta, e) from e
+
+
+def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
+    """Producer: write the object into a segment (once) and tell the consumer where it is."""
+    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
+    if entry is None:
+        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+    with entry.lock:
+        seg = entry.exports.get("shm")
+        if seg is None:
+            seg = entry.exports["shm"] = ctx.shm_pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
+    ctx.stats.add("shm", "out", entry.nbytes)
+    body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
+    return _control.RESP_OK, seg.name.encode() + b"\0" + body
