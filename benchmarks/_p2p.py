@@ -1,0 +1,156 @@
+"""p2p measured two ways, in interleaved rounds in the same two actors.
+
+Every library (each rdt_transports backend and ``ray.util.collective`` Gloo) has a group on the same two actors.
+Each round runs, for every library in turn (the order rotates per round), one *barrier* sample (barrier, then one
+send on rank 0 and recv on rank 1, timed on the receiver: how a pipeline stage runs it) and one *back-to-back*
+sample (barrier, then ``burst`` transfers in a row, timed on the receiver, divided by ``burst``). Machine noise
+therefore hits every library alike, instead of whichever case happened to run during a noisy minute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+from ._baselines import RayCollectiveImpl
+from ._cluster import log
+from ._collectives import (BenchContext, Impl, RdtImpl, _ask_mechanism, _first_line, check, error_row,
+                           fmt_size, gather_times, make_row, make_tensor, prime)
+
+MODES: Tuple[str, ...] = ("back-to-back", "barrier")
+WORLD_SIZE = 2
+BURST_BYTES = 32 << 20  # a back-to-back sample moves about this much (2 to 8 transfers)
+
+
+@dataclass(frozen=True)
+class Lib:
+    """One library in the interleaved rounds: its key in the results, kind ('rdt' / 'rayc') and group name."""
+
+    key: str
+    kind: str
+    group: str
+
+
+def burst_for(nbytes: int, quick: bool) -> int:
+    """Transfers per back-to-back sample."""
+    return 2 if quick else max(2, min(8, BURST_BYTES // max(nbytes, 1)))
+
+
+def _ops(lib: Lib, rank: int, t: Any, timeout: float) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """(barrier, transfer) for ``lib`` on ``rank``: rank 0 sends, rank 1 receives."""
+    if lib.kind == "rdt":
+        import rdt_transports as rt
+
+        def barrier() -> None:
+            rt.barrier(lib.group, timeout=timeout)
+        move = (lambda: rt.send(t, 1, lib.group, timeout=timeout)) if rank == 0 else \
+            (lambda: rt.recv(t, 0, lib.group, timeout=timeout))
+        return barrier, move
+    import ray.util.collective as col
+
+    move = (lambda: col.send(t, 1, lib.group)) if rank == 0 else (lambda: col.recv(t, 0, lib.group))
+    return (lambda: col.barrier(lib.group)), move
+
+
+def _rounds(self: Any, libs: List[Lib], rank: int, nbytes: int, warmup: int, iters: int, burst: int,
+            timeout: float) -> Dict[str, Dict[str, List[float]]]:
+    """In an actor: check each library once, then ``warmup + iters`` interleaved rounds of both modes."""
+    t = make_tensor(self.state, nbytes)
+    ops = {lib.key: _ops(lib, rank, t, timeout) for lib in libs}
+    for lib in libs:  # the data really moves: the receiver checks the first transfer of every library
+        barrier, move = ops[lib.key]
+        prime(t, "p2p", rank)
+        barrier()
+        move()
+        check(t, "p2p", rank, WORLD_SIZE)
+    t.zero_()
+    out: Dict[str, Dict[str, List[float]]] = {lib.key: {m: [] for m in MODES} for lib in libs}
+    for r in range(warmup + iters):
+        k = r % len(libs)
+        for lib in libs[k:] + libs[:k]:
+            barrier, move = ops[lib.key]
+            barrier()
+            t0 = time.perf_counter()
+            move()
+            one = time.perf_counter() - t0
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                move()
+            many = (time.perf_counter() - t0) / burst
+            if r >= warmup:
+                out[lib.key]["barrier"].append(one)
+                out[lib.key]["back-to-back"].append(many)
+    for lib in libs:
+        ops[lib.key][0]()
+    return out
+
+
+def _stats(times: List[float]) -> Dict[str, Any]:
+    return {"seconds": statistics.median(times), "seconds_min": min(times),
+            "seconds_all": [round(s, 9) for s in times]}
+
+
+def interleaved_p2p(ctx: BenchContext, impls: List[Impl]) -> List[Dict[str, Any]]:
+    """Set every library up on the same two actors, then measure each size in interleaved rounds."""
+    rows: List[Dict[str, Any]] = []
+    ready: List[Tuple[Impl, Lib]] = []
+    for impl in impls:
+        try:
+            impl.setup(ctx, WORLD_SIZE)
+        except Exception as e:  # noqa: BLE001 - unavailable: an error row, the others go on
+            msg = _first_line(e)
+            log(f"p2p       {impl.name:<22} n={WORLD_SIZE} {'-':>9}  {msg}")
+            rows.extend(error_row("p2p", "p2p", impl, WORLD_SIZE, msg, mode=m) for m in MODES)
+            continue
+        ready.append((impl, _lib(impl)))
+    try:
+        if ready:
+            rows += _measure_sizes(ctx, ready)
+    finally:
+        for impl, _ in ready:
+            try:
+                impl.teardown(ctx)
+            except Exception as e:  # noqa: BLE001
+                log(f"p2p       {impl.name} teardown failed: {_first_line(e)}")
+    return rows
+
+
+def _lib(impl: Impl) -> Lib:
+    if isinstance(impl, RdtImpl):
+        return Lib(impl.name, "rdt", impl._handle.name)
+    if isinstance(impl, RayCollectiveImpl):
+        return Lib(impl.name, "rayc", impl._group or "")
+    raise TypeError(f"{impl.name} cannot run in interleaved p2p rounds")
+
+
+def _measure_sizes(ctx: BenchContext, ready: List[Tuple[Impl, Lib]]) -> List[Dict[str, Any]]:
+    rows: List[Dict[str, Any]] = []
+    actors = ctx.pool.get(WORLD_SIZE)
+    libs = [lib for _, lib in ready]
+    for nbytes in ctx.config.sizes:
+        warmup, iters = ctx.config.iterations(nbytes)
+        burst = burst_for(nbytes, ctx.config.quick)
+        op_timeout = ctx.config.op_timeout(nbytes)
+        call_timeout = 60.0 + len(libs) * (2 + (warmup + iters) * (3 + burst)) * op_timeout
+        refs = [a.__ray_call__.remote(_rounds, libs, r, nbytes, warmup, iters, burst, op_timeout)
+                for r, a in enumerate(actors)]
+        try:
+            times = gather_times(ctx, refs, nbytes, call_timeout)[1]  # the receiver's clock
+        except Exception as e:  # noqa: BLE001 - the groups are unusable after a failure: stop here
+            msg = f"{type(e).__name__}: {_first_line(e)}"
+            log(f"p2p interleaved {fmt_size(nbytes):>9}  FAILED {msg}")
+            rows += [error_row("p2p", "p2p", impl, WORLD_SIZE, msg, nbytes, mode=m) for impl, _ in ready for m in MODES]
+            break
+        for impl, lib in ready:
+            mech = _ask_mechanism(ctx, impl, "p2p", nbytes)
+            for mode in MODES:
+                row = make_row("p2p", "p2p", impl, nbytes, WORLD_SIZE, warmup, iters, _stats(times[lib.key][mode]),
+                               mech, mode)
+                row.update(interleaved=True, burst=burst if mode == "back-to-back" else 1)
+                rows.append(row)
+                log(f"p2p       {impl.name:<22} {mode:<12} {fmt_size(nbytes):>9}  {row['latency_us']:12.1f} us  "
+                    f"{row['gbps']:7.3f} GB/s  (x{iters}) [{mech}]")
+    return rows
