@@ -9,10 +9,11 @@ therefore hits every library alike, instead of whichever case happened to run du
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from ._baselines import RayCollectiveImpl
 from ._cluster import log
@@ -31,6 +32,18 @@ class Lib:
     key: str
     kind: str
     group: str
+
+
+class LibFailed(RuntimeError):
+    """A library's operation failed in the interleaved rounds (the other rank then fails in the same library)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(key, message)
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
 
 
 def burst_for(nbytes: int, quick: bool) -> int:
@@ -61,31 +74,47 @@ def _rounds(self: Any, libs: List[Lib], rank: int, nbytes: int, warmup: int, ite
     ops = {lib.key: _ops(lib, rank, t, timeout) for lib in libs}
     for lib in libs:  # the data really moves: the receiver checks the first transfer of every library
         barrier, move = ops[lib.key]
-        prime(t, "p2p", rank)
-        barrier()
-        move()
-        check(t, "p2p", rank, WORLD_SIZE)
+        with _failing_as(lib):
+            prime(t, "p2p", rank)
+            barrier()
+            move()
+            check(t, "p2p", rank, WORLD_SIZE)
     t.zero_()
     out: Dict[str, Dict[str, List[float]]] = {lib.key: {m: [] for m in MODES} for lib in libs}
     for r in range(warmup + iters):
         k = r % len(libs)
         for lib in libs[k:] + libs[:k]:
-            barrier, move = ops[lib.key]
-            barrier()
-            t0 = time.perf_counter()
-            move()
-            one = time.perf_counter() - t0
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(burst):
-                move()
-            many = (time.perf_counter() - t0) / burst
+            with _failing_as(lib):
+                one, many = _samples(*ops[lib.key], burst)
             if r >= warmup:
                 out[lib.key]["barrier"].append(one)
                 out[lib.key]["back-to-back"].append(many)
     for lib in libs:
-        ops[lib.key][0]()
+        with _failing_as(lib):
+            ops[lib.key][0]()
     return out
+
+
+def _samples(barrier: Callable[[], None], move: Callable[[], None], burst: int) -> Tuple[float, float]:
+    """(one transfer after a barrier, mean of ``burst`` transfers back to back after a barrier), in seconds."""
+    barrier()
+    t0 = time.perf_counter()
+    move()
+    one = time.perf_counter() - t0
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(burst):
+        move()
+    return one, (time.perf_counter() - t0) / burst
+
+
+@contextlib.contextmanager
+def _failing_as(lib: Lib) -> Iterator[None]:
+    """Re-raise any failure as :class:`LibFailed` naming ``lib``, so that the driver can drop just that one."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        raise LibFailed(lib.key, f"{type(e).__name__}: {_first_line(e)}") from e
 
 
 def _stats(times: List[float]) -> Dict[str, Any]:
@@ -127,30 +156,56 @@ def _lib(impl: Impl) -> Lib:
 
 
 def _measure_sizes(ctx: BenchContext, ready: List[Tuple[Impl, Lib]]) -> List[Dict[str, Any]]:
+    """Every size in interleaved rounds; a library that fails is dropped (error rows) and the size re-run
+    without it; any other failure (a hang, after which the actors were restarted) ends the case."""
     rows: List[Dict[str, Any]] = []
-    actors = ctx.pool.get(WORLD_SIZE)
-    libs = [lib for _, lib in ready]
+    live = list(ready)
     for nbytes in ctx.config.sizes:
-        warmup, iters = ctx.config.iterations(nbytes)
-        burst = burst_for(nbytes, ctx.config.quick)
-        op_timeout = ctx.config.op_timeout(nbytes)
-        call_timeout = 60.0 + len(libs) * (2 + (warmup + iters) * (3 + burst)) * op_timeout
-        refs = [a.__ray_call__.remote(_rounds, libs, r, nbytes, warmup, iters, burst, op_timeout)
-                for r, a in enumerate(actors)]
-        try:
-            times = gather_times(ctx, refs, nbytes, call_timeout)[1]  # the receiver's clock
-        except Exception as e:  # noqa: BLE001 - the groups are unusable after a failure: stop here
-            msg = f"{type(e).__name__}: {_first_line(e)}"
-            log(f"p2p interleaved {fmt_size(nbytes):>9}  FAILED {msg}")
-            rows += [error_row("p2p", "p2p", impl, WORLD_SIZE, msg, nbytes, mode=m) for impl, _ in ready for m in MODES]
+        times = None
+        while live and times is None:  # bounded: each pass either measures or drops one library
+            try:
+                times = _one_size(ctx, [lib for _, lib in live], nbytes)
+            except LibFailed as e:
+                failed = [(i, lib) for i, lib in live if lib.key == e.key]
+                log(f"p2p       {e.key:<22} {fmt_size(nbytes):>9}  FAILED {e.message}; dropped, size re-run")
+                rows += [error_row("p2p", "p2p", i, WORLD_SIZE, e.message, nbytes, mode=m) for i, _ in failed
+                         for m in MODES]
+                live = [x for x in live if x not in failed] if failed else []
+            except Exception as e:  # noqa: BLE001 - the actors (and every group) are gone: stop here
+                msg = f"{type(e).__name__}: {_first_line(e)}"
+                log(f"p2p interleaved {fmt_size(nbytes):>9}  FAILED {msg}")
+                rows += [error_row("p2p", "p2p", i, WORLD_SIZE, msg, nbytes, mode=m) for i, _ in live for m in MODES]
+                return rows
+        if times is None:
             break
-        for impl, lib in ready:
-            mech = _ask_mechanism(ctx, impl, "p2p", nbytes)
-            for mode in MODES:
-                row = make_row("p2p", "p2p", impl, nbytes, WORLD_SIZE, warmup, iters, _stats(times[lib.key][mode]),
-                               mech, mode)
-                row.update(interleaved=True, burst=burst if mode == "back-to-back" else 1)
-                rows.append(row)
-                log(f"p2p       {impl.name:<22} {mode:<12} {fmt_size(nbytes):>9}  {row['latency_us']:12.1f} us  "
-                    f"{row['gbps']:7.3f} GB/s  (x{iters}) [{mech}]")
+        rows += _rows_of(ctx, live, nbytes, times)
+    return rows
+
+
+def _one_size(ctx: BenchContext, libs: List[Lib], nbytes: int) -> Dict[str, Dict[str, List[float]]]:
+    """The receiver's samples per library and mode for one size."""
+    warmup, iters = ctx.config.iterations(nbytes)
+    burst = burst_for(nbytes, ctx.config.quick)
+    op_timeout = ctx.config.op_timeout(nbytes)
+    call_timeout = 60.0 + len(libs) * (2 + (warmup + iters) * (3 + burst)) * op_timeout
+    refs = [a.__ray_call__.remote(_rounds, libs, r, nbytes, warmup, iters, burst, op_timeout)
+            for r, a in enumerate(ctx.pool.get(WORLD_SIZE))]
+    return gather_times(ctx, refs, nbytes, call_timeout)[1]  # the receiver's clock
+
+
+def _rows_of(ctx: BenchContext, ready: List[Tuple[Impl, Lib]], nbytes: int,
+             times: Dict[str, Dict[str, List[float]]]) -> List[Dict[str, Any]]:
+    """Result rows (both modes) of one size."""
+    rows: List[Dict[str, Any]] = []
+    warmup, iters = ctx.config.iterations(nbytes)
+    burst = burst_for(nbytes, ctx.config.quick)
+    for impl, lib in ready:
+        mech = _ask_mechanism(ctx, impl, "p2p", nbytes)
+        for mode in MODES:
+            row = make_row("p2p", "p2p", impl, nbytes, WORLD_SIZE, warmup, iters, _stats(times[lib.key][mode]),
+                           mech, mode)
+            row.update(interleaved=True, burst=burst if mode == "back-to-back" else 1)
+            rows.append(row)
+            log(f"p2p       {impl.name:<22} {mode:<12} {fmt_size(nbytes):>9}  {row['latency_us']:12.1f} us  "
+                f"{row['gbps']:7.3f} GB/s  (x{iters}) [{mech}]")
     return rows

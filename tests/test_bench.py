@@ -258,3 +258,29 @@ def test_compare_two_runs(tmp_path: Path) -> None:
     bad.write_text("{not json")
     proc = _bench("--compare", paths[0], str(bad), timeout=60, env=env)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_interleaved_p2p_drops_a_failing_library(ray_cluster) -> None:
+    """A library that fails in the interleaved rounds gets error rows and the size is re-run without it; the
+    others are still measured both ways in the same actors."""
+    from benchmarks._cluster import ActorPool
+    from benchmarks._collectives import BenchConfig, BenchContext, RdtImpl
+    from benchmarks._p2p import Lib, _lib, _measure_sizes
+
+    ctx = BenchContext(BenchConfig(sizes=[4 * KiB, 64 * KiB], world_sizes=[2], backends=["gloo"], quick=True,
+                                   group_timeout=60), ActorPool())
+    good, broken = RdtImpl("gloo", "native"), RdtImpl("ucx", "auto")  # broken: its group was never created
+    good.setup(ctx, 2)
+    try:
+        rows = _measure_sizes(ctx, [(broken, Lib(broken.name, "rdt", "no-such-group")), (good, _lib(good))])
+    finally:
+        good.teardown(ctx)
+        ctx.pool.shutdown()
+    errors = [r for r in rows if "error" in r]
+    assert {(r["impl"], r["mode"], r["size"]) for r in errors} == {("rdt-ucx", m, 4 * KiB)
+                                                                   for m in ("back-to-back", "barrier")}
+    assert all("no-such-group" in r["error"] for r in errors), errors  # the library's own error
+    ok = [r for r in rows if "error" not in r]
+    assert sorted((r["impl"], r["mode"], r["size"]) for r in ok) == sorted(
+        ("rdt-gloo", m, s) for m in ("back-to-back", "barrier") for s in (4 * KiB, 64 * KiB))
+    assert all(r["gbps"] > 0 and r["mechanism"] == "gloo" and r["interleaved"] for r in ok)
