@@ -211,23 +211,23 @@ def write_png(path: Path, rows: List[Dict[str, Any]],
         return None
     ok = [r for r in rows if "error" not in r and r.get("gbps")]
     panels = _panels(ok)
-    n = len(panels) + (1 if targets else 0) or 1
-    ncols = min(3, n)
-    nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.8 * nrows), squeeze=False)
+    ncols = max(1, min(3, len(panels)))
+    nrows = max(1, -(-len(panels) // ncols))
+    target_h = max(2.5, 0.25 * len(targets)) if targets else 0.0  # the targets get a full-width row of their own
+    fig = plt.figure(figsize=(6.5 * ncols, 4.8 * nrows + target_h))
+    grid = fig.add_gridspec(nrows + (1 if targets else 0), ncols,
+                            height_ratios=[4.8] * nrows + ([target_h] if targets else []))
     cmap = plt.get_cmap("tab10")
     bases = sorted({r["impl"].partition("/")[0] for r in ok if not is_baseline(r)})
     colors = {b: cmap(i % 10) for i, b in enumerate(bases)}  # one colour per rdt path in every panel
-    flat = list(axes.flat)
-    for ax, (title, prs) in zip(flat, panels):
+    for i, (title, prs) in enumerate(panels):
+        ax = fig.add_subplot(grid[i // ncols, i % ncols])
         _draw_series(ax, prs, colors)
         suite = prs[0]["suite"] if prs else ""
         ax.set_ylabel("bus bandwidth (GB/s)" if suite == "allreduce" else "throughput (GB/s)")
         ax.set_title(title, fontsize=9)
     if targets:
-        _draw_targets(flat[len(panels)], targets)
-    for ax in flat[len(panels) + (1 if targets else 0):]:
-        ax.axis("off")
+        _draw_targets(fig.add_subplot(grid[nrows, :]), targets)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -271,8 +271,9 @@ def format_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], sizes: Lis
         out += ["| target | status | median | best-of | needed | mechanisms |", "|---|---|---|---|---|---|"]
         for t in targets:
             need = f"{t['required']}x" if t.get("unit", "x") == "x" else f"{t['required']:g} {t['unit']}"
-            out.append(f"| {t['target']} | {'met' if t['met'] else '**missed**'} | {fmt_value(t)} | "
-                       f"{fmt_value(t, 'ratio_best')} | {need} | {t.get('mechanisms', '?')} |".replace("us", "µs"))
+            values = [v.replace(" us", " µs") for v in (fmt_value(t), fmt_value(t, "ratio_best"), need)]
+            out.append(f"| {t['target']} | {'met' if t['met'] else '**missed**'} | " + " | ".join(values)
+                       + f" | {t.get('mechanisms', '?')} |")
         out.append("")
     cells, order = _blocks(rows)
     for (suite, ws, mode), impls in order.items():
