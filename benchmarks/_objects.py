@@ -170,7 +170,7 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
             warmup, iters = _iterations(nbytes, quick)
             timeout = 60.0 + nbytes / 20e6
             for impl, method in IMPLS:
-                ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10))
+                ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10), timeout=60)
                 row: Dict[str, Any] = {"suite": "objects", "impl": impl, "size": nbytes, "world_size": 2,
                                        "mode": "round-trip", "mechanism": RAY_MECHANISMS.get(impl, "?")}
                 try:
