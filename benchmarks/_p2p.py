@@ -187,10 +187,18 @@ def _one_size(ctx: BenchContext, libs: List[Lib], nbytes: int) -> Dict[str, Dict
     warmup, iters = ctx.config.iterations(nbytes)
     burst = burst_for(nbytes, ctx.config.quick)
     op_timeout = ctx.config.op_timeout(nbytes)
-    call_timeout = 60.0 + len(libs) * (2 + (warmup + iters) * (3 + burst)) * op_timeout
+    call_timeout = _call_timeout(len(libs), nbytes, warmup + iters, burst, op_timeout)
     refs = [a.__ray_call__.remote(_rounds, libs, r, nbytes, warmup, iters, burst, op_timeout)
             for r, a in enumerate(ctx.pool.get(WORLD_SIZE))]
     return gather_times(ctx, refs, nbytes, call_timeout)[1]  # the receiver's clock
+
+
+def _call_timeout(nlibs: int, nbytes: int, rounds: int, burst: int, op_timeout: float) -> float:
+    """Driver-side bound for one size: every transfer at 10 MB/s and 50 ms per operation, plus one operation
+    timing out (the first failure in the rounds raises on both ranks)."""
+    ops = nlibs * (1 + rounds * (3 + burst))  # the check, then per round: two barriers and 1 + burst transfers
+    moved = nlibs * (1 + rounds * (1 + burst)) * nbytes
+    return 60.0 + 2 * op_timeout + 0.05 * ops + moved / 10e6
 
 
 def _rows_of(ctx: BenchContext, ready: List[Tuple[Impl, Lib]], nbytes: int,
