@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -10,6 +12,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ._flatten import Flattened
+
+
+def _enqueue_dead(dead: "queue.SimpleQueue[bytes]", obj_id: bytes, _ref: Any) -> None:
+    dead.put(obj_id)
 
 
 @dataclass
@@ -44,6 +50,7 @@ class ObjectTable:
     def __init__(self, release: Callable[[Entry], None]) -> None:
         self._entries: Dict[bytes, Entry] = {}
         self._weak: Dict[bytes, List[Any]] = {}
+        self._dead: "queue.SimpleQueue[bytes]" = queue.SimpleQueue()  # weak entries whose leaves died
         self._lock = threading.Lock()
         self._release = release
         self.freed = 0
@@ -53,19 +60,28 @@ class ObjectTable:
     def add_weak(self, obj_id: bytes, leaves: List[Any]) -> None:
         import weakref
 
-        def drop(_ref: Any) -> None:
-            with self._lock:
-                self._weak.pop(obj_id, None)
-
+        # The callback may run on any thread at any point, this table's locked regions included (a leaf freed
+        # by a GC pass there): it only enqueues, and the queue is drained under the lock.
+        drop = functools.partial(_enqueue_dead, self._dead, obj_id)
         try:
             refs = [weakref.ref(x, drop) for x in leaves]
         except TypeError:
             return
         with self._lock:
+            self._drain_dead()
             self._weak[obj_id] = refs
+
+    def _drain_dead(self) -> None:
+        """Forget weak entries whose leaves died (caller holds the lock)."""
+        while True:
+            try:
+                self._weak.pop(self._dead.get_nowait(), None)
+            except queue.Empty:
+                return
 
     def get_weak(self, obj_id: bytes) -> Optional[List[Any]]:
         with self._lock:
+            self._drain_dead()
             refs = self._weak.get(obj_id)
         if refs is None:
             return None
@@ -74,6 +90,7 @@ class ObjectTable:
 
     def weak_count(self) -> int:
         with self._lock:
+            self._drain_dead()
             return len(self._weak)
 
     def add(self, entry: Entry) -> None:

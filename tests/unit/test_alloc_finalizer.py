@@ -39,7 +39,7 @@ def _finishes(fn: Callable[[], None]) -> bool:
     return not t.is_alive()
 
 
-@pytest.mark.xfail(strict=True, reason="BufferPool._give_back takes the pool lock: a finalizer run under it deadlocks")
+
 def test_pool_finalizer_run_by_gc_inside_the_pool_lock_does_not_deadlock() -> None:
     pool = BufferPool(64 << 20, 30.0)
     held: List[Any] = [pool.empty(HUGE_MIN_BYTES)]
@@ -93,7 +93,7 @@ def test_pool_returns_every_dropped_buffer_once_drained() -> None:
         pool.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the weak table's weakref callback takes the table lock: run under it, it deadlocks")
+
 def test_table_weakref_callback_under_the_table_lock_does_not_deadlock() -> None:
     table = ObjectTable(lambda _e: None)
     leaf: List[Any] = [torch.ones(4)]
