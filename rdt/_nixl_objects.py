@@ -13,7 +13,8 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
@@ -56,8 +57,28 @@ class NixlInfo:
     descs: Tuple[Tuple[int, int, int], ...]  # (address, length, device id) per buffer
 
 
+@dataclass
+class _Remote:
+    """What this agent loaded of one remote agent: partial-metadata loads since the last reset, and READs that
+    may still use its descriptors (a remote agent is only removed while none is)."""
+
+    loads: int = 0
+    inflight: int = 0
+    last: float = field(default_factory=time.monotonic)
+
+
 class NixlAgent:
-    """This process's NIXL agent, and which remote agents it has loaded."""
+    """This process's NIXL agent, and which remote agents it has loaded.
+
+    Each fetch loads the producer's partial metadata (connection info plus that object's registrations), which
+    NIXL keeps until the remote agent is removed. So that this stays bounded over a long job, a remote agent
+    whose loads reach ``MAX_LOADS_PER_REMOTE`` is removed and loaded afresh from the current object's metadata,
+    and beyond ``MAX_REMOTES`` agents the least recently used idle one (e.g. a producer that died) is removed;
+    both only while no READ from that agent is in flight.
+    """
+
+    MAX_LOADS_PER_REMOTE = 256
+    MAX_REMOTES = 64
 
     def __init__(self, name: str) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -68,16 +89,24 @@ class NixlAgent:
         # complete without it.
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.lock = threading.Lock()
-        self._remotes: set = set()
+        self._remotes: "OrderedDict[str, _Remote]" = OrderedDict()  # least recently used first
         # Transfers that timed out but may still be moving data: their destination buffers and registrations
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
         # memory).
-        self.parked: List[Tuple[Any, Any, List[torch.Tensor]]] = []
-        threading.Thread(target=self._progress, name="rdt-nixl-progress", daemon=True).start()
+        self.parked: List[Tuple[Any, Any, List[torch.Tensor], str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress, name="rdt-nixl-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the progress thread (before the interpreter finalizes: it calls into NIXL); True if it ended."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _progress(self, period: float = 0.002) -> None:
-        while True:
-            time.sleep(period)
+        while not self._stop.wait(period):
             try:
                 with self.lock:
                     self.agent.get_new_notifs()
@@ -89,26 +118,66 @@ class NixlAgent:
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""
         still = []
-        for handle, reg, dst in self.parked:
+        for handle, reg, dst, name in self.parked:
             try:
                 state = self.agent.check_xfer_state(handle)
             except Exception:
                 state = "ERR"
             if state == "PROC":
-                still.append((handle, reg, dst))
+                still.append((handle, reg, dst, name))
                 continue
             for release in (handle.release, lambda: self.agent.deregister_memory(reg)):
                 try:
                     release()
                 except Exception:
                     pass
+            self._done_locked(name)
         self.parked = still
 
     def ensure_remote(self, name: str, md: bytes) -> None:
-        """Load (or extend) what we know of a remote agent; loading partial metadata again is cheap (~1 µs)."""
+        """Load (or extend) what we know of a remote agent for one READ; loading partial metadata again is cheap
+        (~1 µs). Each call must be paired with :meth:`done_remote` once that READ no longer runs."""
         with self.lock:
+            rem = self._remotes.pop(name, None)
+            if rem is not None and rem.loads >= self.MAX_LOADS_PER_REMOTE and not rem.inflight:
+                self._remove_locked(name)  # forget every stale registration of it; md below reloads connection info
+                rem = None
+            rem = rem or _Remote()
+            self._remotes[name] = rem  # most recently used last
+            self._evict_idle_locked()
             self.agent.add_remote_agent(md)
-            self._remotes.add(name)
+            rem.loads += 1
+            rem.inflight += 1
+            rem.last = time.monotonic()
+
+    def done_remote(self, name: str) -> None:
+        """A READ from ``name`` is over (finished, failed, or its parked transfer was reaped)."""
+        with self.lock:
+            self._done_locked(name)
+
+    def remote_loads(self, name: str) -> int:
+        """Partial-metadata loads of ``name`` since it was last (re)loaded afresh (for tests and stats)."""
+        with self.lock:
+            rem = self._remotes.get(name)
+            return rem.loads if rem is not None else 0
+
+    def _done_locked(self, name: str) -> None:
+        rem = self._remotes.get(name)
+        if rem is not None and rem.inflight > 0:
+            rem.inflight -= 1
+
+    def _evict_idle_locked(self) -> None:
+        """Remove least recently used idle remote agents beyond ``MAX_REMOTES`` (caller holds the lock)."""
+        excess = len(self._remotes) - self.MAX_REMOTES
+        for name in [n for n, r in self._remotes.items() if not r.inflight][:max(excess, 0)]:
+            del self._remotes[name]
+            self._remove_locked(name)
+
+    def _remove_locked(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # not loaded (any more): nothing to forget
+            pass
 
 
 def agent(ctx: "RdtContext") -> NixlAgent:
@@ -205,6 +274,24 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
     """
     ag = agent(ctx)
     ag.ensure_remote(info.agent, info.agent_md)
+    parked = False
+    try:
+        return _read(ctx, ag, info, device, timeout)
+    except _Parked:
+        parked = True  # it stays counted as in flight until the progress thread reaps it
+        raise
+    finally:
+        if not parked:
+            ag.done_remote(info.agent)
+
+
+class _Parked(TimeoutError):
+    """A READ timed out but may still be moving data: its memory was parked on the agent."""
+
+
+def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
+          timeout: float) -> List[torch.Tensor]:
+    """The READ itself, into fresh tensors on ``device``."""
     dst = [ctx.buffers.empty(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
            for _, n, _ in info.descs]
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
@@ -224,9 +311,9 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
             while state == "PROC":
                 if time.monotonic() > deadline:
                     with ag.lock:  # may still complete later: keep its memory until it does
-                        ag.parked.append((handle, reg, dst))
+                        ag.parked.append((handle, reg, dst, info.agent))
                     handle = reg = None
-                    raise TimeoutError(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+                    raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
                 with ag.lock:
