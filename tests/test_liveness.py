@@ -16,6 +16,8 @@ import pytest
 from rdt import _shm
 from rdt_transports._proc import pid_alive
 
+from .conftest import wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 NS_PID = 3_999_990  # the owner's pid inside its namespace will be NS_PID + 1: no such pid exists out here
 
@@ -35,7 +37,7 @@ def _exists(names: List[str]) -> List[bool]:
 
 
 def _lock_files(pid: int) -> List[str]:
-    return [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f"rdt-{pid}-") and ".lock" in n]
+    return [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f"rdt.owner-{pid}-")]
 
 
 def _start(argv: List[str]) -> subprocess.Popen:
@@ -58,7 +60,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.xfail(strict=True, reason="liveness by pid: a live owner in another pid namespace is judged dead and its files reaped")
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
 def test_owner_in_another_pid_namespace_is_alive_until_it_dies() -> None:
     script = f"echo {NS_PID} > /proc/sys/kernel/ns_last_pid; {sys.executable} -c \"$0\"; true"
@@ -71,6 +72,8 @@ def test_owner_in_another_pid_namespace_is_alive_until_it_dies() -> None:
         _shm.reap_dead_owners()
         assert _exists(names) == [True] * len(names), "the reaper deleted a live owner's files"
         _kill(proc)
+        # The kernel drops the owner's lock as it finishes exiting, shortly after its namespace's init is reaped.
+        assert wait_for(lambda: not _shm.owner_alive(names[0]), timeout=30)
         _shm.reap_dead_owners()
         assert _exists(names) == [False] * len(names), "a dead owner's files were kept"
         assert not _shm.owner_alive(names[0]) and _lock_files(pid) == []
@@ -90,6 +93,7 @@ def test_sigkilled_owner_files_are_reaped_and_live_ones_kept() -> None:
         assert _exists(names) == [True] * len(names)
         _kill(proc)
         assert _exists(names) == [True] * len(names)  # SIGKILL: no chance to clean up
+        assert wait_for(lambda: not _shm.owner_alive(names[0]), timeout=30)
         _shm.reap_dead_owners()
         assert _exists(names) == [False] * len(names) and _lock_files(proc.pid) == []
         assert _exists([mine.name]) == [True] and _shm.owner_alive(mine.name)  # ours stays
