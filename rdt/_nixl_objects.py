@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -47,14 +47,46 @@ def available() -> bool:
     return _available
 
 
+_MEM_CODES = {"DRAM": 0, "VRAM": 1}
+_MEM_NAMES = {v: k for k, v in _MEM_CODES.items()}
+
+
 @dataclass(frozen=True)
 class NixlInfo:
-    """What a consumer needs to READ an object: agent name, agent metadata, descriptors."""
+    """What a consumer needs to READ an object: agent name, agent metadata, descriptors, each buffer's memory type.
+
+    ``mem_type`` is "VRAM" if any buffer is (it picks the consumer's device); ``mem_types`` is per buffer
+    (defaults to ``mem_type`` for all). NIXL's partial metadata covers one registration, and a registration one
+    memory type, so a mixed object has one more metadata blob per further type in ``extra_md``.
+    """
 
     agent: str
     agent_md: bytes
     mem_type: str  # "DRAM" or "VRAM"
     descs: Tuple[Tuple[int, int, int], ...]  # (address, length, device id) per buffer
+    mem_types: Tuple[str, ...] = ()
+    extra_md: Tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.mem_types:
+            object.__setattr__(self, "mem_types", (self.mem_type,) * len(self.descs))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def group_by_mem_type(types: Sequence[K]) -> List[Tuple[K, List[int]]]:
+    """Buffer indices per memory type (or any key, e.g. a (local, remote) pair), in order of first appearance:
+    NIXL takes one memory type per registration and per descriptor list."""
+    groups: Dict[K, List[int]] = {}
+    for i, t in enumerate(types):
+        groups.setdefault(t, []).append(i)
+    return list(groups.items())
+
+
+def mem_type_of(buf: torch.Tensor) -> str:
+    """NIXL's memory type for one buffer."""
+    return "VRAM" if buf.device.type == "cuda" else "DRAM"
 
 
 @dataclass
@@ -93,7 +125,7 @@ class NixlAgent:
         # Transfers that timed out but may still be moving data: their destination buffers and registrations
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
         # memory).
-        self.parked: List[Tuple[Any, Any, List[torch.Tensor], str]] = []
+        self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress, name="rdt-nixl-progress", daemon=True)
         self._thread.start()
@@ -118,23 +150,21 @@ class NixlAgent:
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""
         still = []
-        for handle, reg, dst, name in self.parked:
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception:
-                state = "ERR"
-            if state == "PROC":
-                still.append((handle, reg, dst, name))
-                continue
-            for release in (handle.release, lambda: self.agent.deregister_memory(reg)):
+        for handles, regs, dst, name in self.parked:
+            states = []
+            for handle in handles:
                 try:
-                    release()
+                    states.append(self.agent.check_xfer_state(handle))
                 except Exception:
-                    pass
+                    states.append("ERR")
+            if "PROC" in states:
+                still.append((handles, regs, dst, name))
+                continue
+            _release_all(self.agent, handles, regs)
             self._done_locked(name)
         self.parked = still
 
-    def ensure_remote(self, name: str, md: bytes) -> None:
+    def ensure_remote(self, name: str, md: bytes, *extra_md: bytes) -> None:
         """Load (or extend) what we know of a remote agent for one READ; loading partial metadata again is cheap
         (~1 µs). Each call must be paired with :meth:`done_remote` once that READ no longer runs."""
         with self.lock:
@@ -145,7 +175,8 @@ class NixlAgent:
             rem = rem or _Remote()
             self._remotes[name] = rem  # most recently used last
             self._evict_idle_locked()
-            self.agent.add_remote_agent(md)
+            for blob in (md,) + extra_md:
+                self.agent.add_remote_agent(blob)
             rem.loads += 1
             rem.inflight += 1
             rem.last = time.monotonic()
@@ -189,10 +220,6 @@ def agent(ctx: "RdtContext") -> NixlAgent:
     return ctx.nixl
 
 
-def _mem_type(buffers: List[torch.Tensor]) -> str:
-    return "VRAM" if buffers and buffers[0].device.type == "cuda" else "DRAM"
-
-
 def _sync_cuda(bufs: List[torch.Tensor]) -> None:
     """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams)."""
     for dev in {b.device for b in bufs if b.device.type == "cuda"}:
@@ -200,20 +227,29 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
 
 
 def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
-    """Register an object's buffers (once) and describe them for consumers."""
+    """Register an object's buffers (once, one registration per memory type) and describe them for consumers."""
     if entry.nixl is not None:
         return entry.nixl[1]
     ag = agent(ctx)
     bufs = entry.buffers
     _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
+    types = [mem_type_of(b) for b in bufs]
+    groups = group_by_mem_type(types) or [("DRAM", [])]
+    regs: List[Any] = []
     with ag.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
-        reg = ag.agent.register_memory(bufs)
-        # Partial metadata: connection info plus just this object's registrations, so it stays small however
-        # many objects are alive, and is never stale (full metadata fetched once would miss later registrations).
-        md = ag.agent.get_partial_agent_metadata(reg, True)
+        try:
+            for _, idx in groups:
+                regs.append(ag.agent.register_memory([bufs[i] for i in idx]))
+            # Partial metadata: connection info plus just this object's registrations, so it stays small however
+            # many objects are alive, and is never stale (full metadata fetched once would miss later ones).
+            mds = [ag.agent.get_partial_agent_metadata(reg, True) for reg in regs]
+        except BaseException:
+            for reg in regs:
+                ag.agent.deregister_memory(reg)
+            raise
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
-    info = NixlInfo(ag.name, md, _mem_type(bufs), descs)
-    entry.nixl = (reg, info)
+    info = NixlInfo(ag.name, mds[0], "VRAM" if "VRAM" in types else "DRAM", descs, tuple(types), tuple(mds[1:]))
+    entry.nixl = (regs, info)
     return info
 
 
@@ -221,13 +257,14 @@ def release(ctx: "RdtContext", entry: "Entry") -> None:
     """Deregister an object's buffers when it is freed."""
     if entry.nixl is None or ctx.nixl is None:
         return
-    reg, _ = entry.nixl
+    regs, _ = entry.nixl
     entry.nixl = None
-    try:
-        with ctx.nixl.lock:
-            ctx.nixl.agent.deregister_memory(reg)
-    except Exception:  # deregistration failure must not break freeing
-        pass
+    for reg in regs:
+        try:
+            with ctx.nixl.lock:
+                ctx.nixl.agent.deregister_memory(reg)
+        except Exception:  # deregistration failure must not break freeing
+            pass
 
 
 def encode_info(info: NixlInfo) -> bytes:
@@ -236,6 +273,9 @@ def encode_info(info: NixlInfo) -> bytes:
     out = [struct.pack("!H", len(name)), name, struct.pack("!I", len(info.agent_md)), info.agent_md,
            info.mem_type.encode()[:4].ljust(4, b" "), struct.pack("!I", len(info.descs))]
     out += [struct.pack("!QQI", a, n, d) for a, n, d in info.descs]
+    out.append(bytes(_MEM_CODES[t] for t in info.mem_types))
+    out.append(struct.pack("!H", len(info.extra_md)))
+    out += [struct.pack("!I", len(md)) + md for md in info.extra_md]
     return b"".join(out)
 
 
@@ -259,21 +299,32 @@ def decode_info(data: bytes) -> NixlInfo:
         for _ in range(k):
             descs.append(struct.unpack_from("!QQI", data, off))
             off += 20
+        codes = data[off:off + k]
+        off += k
+        (n_extra,) = struct.unpack_from("!H", data, off)
+        off += 2
+        extra = []
+        for _ in range(n_extra):
+            (x,) = struct.unpack_from("!I", data, off)
+            off += 4
+            extra.append(data[off:off + x])
+            off += x
     except (struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"malformed NIXL info: {e}") from e
-    if mem not in ("DRAM", "VRAM") or len(md) != m:
+    if (mem not in ("DRAM", "VRAM") or len(md) != m or len(codes) != k or any(c not in _MEM_NAMES for c in codes)
+            or off > len(data)):
         raise ValueError("malformed NIXL info")
-    return NixlInfo(name, md, mem, tuple(descs))
+    return NixlInfo(name, md, mem, tuple(descs), tuple(_MEM_NAMES[c] for c in codes), tuple(extra))
 
 
 def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float) -> List[torch.Tensor]:
     """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
 
-    ``device`` may be a CUDA device for VRAM or DRAM sources (NIXL registers the destination as VRAM) or the CPU
-    (the consumer has no GPU: a VRAM source is read into DRAM).
+    Each buffer keeps its own kind of memory: a VRAM source is read to ``device`` when it is a CUDA device (else
+    into DRAM: the consumer has no GPU), a DRAM source into CPU memory.
     """
     ag = agent(ctx)
-    ag.ensure_remote(info.agent, info.agent_md)
+    ag.ensure_remote(info.agent, info.agent_md, *info.extra_md)
     parked = False
     try:
         return _read(ctx, ag, info, device, timeout)
@@ -291,44 +342,54 @@ class _Parked(TimeoutError):
 
 def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
           timeout: float) -> List[torch.Tensor]:
-    """The READ itself, into fresh tensors on ``device``."""
-    dst = [ctx.buffers.empty(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
-           for _, n, _ in info.descs]
+    """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
+    per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
+    dst = [torch.empty(n, dtype=torch.uint8, device=device) if t == "VRAM" and device.type == "cuda"
+           else ctx.buffers.empty(n) for (_, n, _), t in zip(info.descs, info.mem_types)]
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
-    with ag.lock:
-        reg = ag.agent.register_memory(dst)
-    handle = None
+    local_types = [mem_type_of(d) for d in dst]
+    regs: List[Any] = []
+    handles: List[Any] = []
     try:
         with ag.lock:
-            local = ag.agent.get_xfer_descs(dst)
-            remote = ag.agent.get_xfer_descs(list(info.descs), info.mem_type)
-            handle = ag.agent.initialize_xfer("READ", local, remote, info.agent)
-        try:
+            for _, idx in group_by_mem_type(local_types):
+                regs.append(ag.agent.register_memory([dst[i] for i in idx]))
+            for (_, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types))):
+                local = ag.agent.get_xfer_descs([dst[i] for i in idx])
+                remote = ag.agent.get_xfer_descs([info.descs[i] for i in idx], remote_type)
+                handles.append(ag.agent.initialize_xfer("READ", local, remote, info.agent))
+            states = [ag.agent.transfer(h) for h in handles]
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while "PROC" in states:
+            if time.monotonic() > deadline:
+                with ag.lock:  # may still complete later: keep its memory until it does
+                    ag.parked.append((handles, regs, dst, info.agent))
+                handles, regs = [], []
+                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
             with ag.lock:
-                state = ag.agent.transfer(handle)
-            deadline = time.monotonic() + timeout
-            delay = 1e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    with ag.lock:  # may still complete later: keep its memory until it does
-                        ag.parked.append((handle, reg, dst, info.agent))
-                    handle = reg = None
-                    raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
-                with ag.lock:
-                    state = ag.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ from {info.agent} failed (state {state}); the producer may have died")
-        finally:
-            if handle is not None:
-                try:
-                    with ag.lock:
-                        handle.release()
-                except Exception:
-                    pass
+                states = [ag.agent.check_xfer_state(h) if st == "PROC" else st for h, st in zip(handles, states)]
+        bad = [st for st in states if st != "DONE"]
+        if bad:
+            raise RuntimeError(f"NIXL READ from {info.agent} failed (state {bad[0]}); the producer may have died")
     finally:
-        if reg is not None:
+        if handles or regs:
             with ag.lock:
-                ag.agent.deregister_memory(reg)
+                _release_all(ag.agent, handles, regs)
     return dst
+
+
+def _release_all(nixl_agent: Any, handles: List[Any], regs: List[Any]) -> None:
+    """Release transfer handles, then deregister memory (caller holds the agent's lock); never raises."""
+    for handle in handles:
+        try:
+            handle.release()
+        except Exception:
+            pass
+    for reg in regs:
+        try:
+            nixl_agent.deregister_memory(reg)
+        except Exception:
+            pass

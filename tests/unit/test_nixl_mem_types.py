@@ -18,7 +18,6 @@ from rdt._table import Entry
 from ..conftest import HAS_NIXL
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL objects take the memory type of the first buffer for all of them")
 def test_buffers_are_grouped_by_memory_type_in_order() -> None:
     group = _nixl_objects.group_by_mem_type
     assert group(["VRAM", "DRAM", "VRAM", "DRAM", "DRAM"]) == [("VRAM", [0, 2]), ("DRAM", [1, 3, 4])]
@@ -28,14 +27,12 @@ def test_buffers_are_grouped_by_memory_type_in_order() -> None:
         (("DRAM", "VRAM"), [0, 2]), (("DRAM", "DRAM"), [1])]
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL objects take the memory type of the first buffer for all of them")
 def test_each_buffer_gets_its_own_memory_type() -> None:
     cpu = torch.ones(4, dtype=torch.uint8)
     assert _nixl_objects.mem_type_of(cpu) == "DRAM"
     assert [_nixl_objects.mem_type_of(t) for t in (cpu, torch.empty(2, device="meta"))] == ["DRAM", "DRAM"]
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL objects take the memory type of the first buffer for all of them")
 def test_mixed_info_round_trips_with_per_buffer_types() -> None:
     info = _nixl_objects.NixlInfo("agent", b"md-vram", "VRAM", ((1, 2, 0), (3, 4, 0), (5, 6, 1)),
                                   ("VRAM", "DRAM", "VRAM"), (b"md-dram",))
@@ -45,7 +42,6 @@ def test_mixed_info_round_trips_with_per_buffer_types() -> None:
     assert uniform.mem_types == ("DRAM", "DRAM")  # one type given: every buffer has it
 
 
-@pytest.mark.xfail(strict=True, reason="NIXL objects take the memory type of the first buffer for all of them")
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
 @pytest.mark.parametrize("cuda", [False, True])
 def test_read_of_an_object_keeps_each_buffer_on_its_device(cuda: bool) -> None:
