@@ -126,11 +126,24 @@ class DeferredUnmapper:
         weakref.finalize(arr, self._queue.put, key)
         return torch.from_numpy(arr)
 
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the background thread (before the interpreter finalizes); True if it ended. Mappings whose
+        tensors die later stay mapped until exit."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def _run(self) -> None:
         while True:
             key = self._queue.get()
+            if key is None:  # stop()
+                return
             with self._lock:
-                mm = self._live.pop(key, None) if key is not None else None
+                mm = self._live.pop(key, None)
             if mm is not None:
                 try:
                     mm.close()  # also closes mmap's duplicate descriptor, releasing the shared lock

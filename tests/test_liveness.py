@@ -101,3 +101,32 @@ def test_sigkilled_owner_files_are_reaped_and_live_ones_kept() -> None:
         if proc.poll() is None:
             _kill(proc)
         _shm.unlink(mine.name)
+
+
+_FORKED = r"""
+import os, sys, torch
+from rdt import _shm
+from rdt_transports import _proc
+parent = _shm.write_segment([torch.ones(8, dtype=torch.uint8)])
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    seg = _shm.write_segment([torch.ones(8, dtype=torch.uint8)])  # a forked child takes its own owner lock
+    os.write(w, (seg.name + " " + _proc.current_owner_token()).encode())
+    os._exit(0)
+os.waitpid(child, 0)
+name, token = os.read(r, 4096).decode().split()
+print(name, token, _proc.current_owner_token(), _shm.owner_alive(parent.name), _shm.owner_alive(name))
+_shm.unlink(parent.name); _shm.unlink(name)
+_proc.reap_lock(os.path.basename(_proc.lock_path(child, token)))  # the child ran no atexit
+"""
+
+
+def test_a_forked_child_is_its_own_owner_and_leaves_the_parent_alive() -> None:
+    out = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, child_token, parent_token, parent_alive, child_alive = out.stdout.split()
+    assert child_token != parent_token and child_token in name
+    # The child exited (its os._exit ran no atexit): its lock is free, the parent's (inherited fd) still held.
+    assert (parent_alive, child_alive) == ("True", "False")

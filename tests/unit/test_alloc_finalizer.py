@@ -115,3 +115,27 @@ def _gc_restored() -> Any:
     yield
     gc.set_threshold(*old)
     gc.callbacks[:] = callbacks
+
+
+def test_unmapper_finalizer_only_enqueues_and_its_thread_stops() -> None:
+    import mmap
+
+    from rdt._shm import DeferredUnmapper
+
+    unmapper = DeferredUnmapper()
+    view: List[Any] = [unmapper.adopt(mmap.mmap(-1, 1 << 20))]
+
+    def drop_under_lock() -> None:
+        with unmapper._lock:  # the finalizer runs here, under the unmapper's lock: it must not take it
+            view.clear()
+
+    assert _finishes(drop_under_lock)
+    deadline = threading.Event()
+    for _ in range(100):  # bounded: the background thread closes the mapping within a few ms
+        if unmapper.pending() == 0:
+            break
+        deadline.wait(0.05)
+    assert unmapper.pending() == 0
+    thread = unmapper._thread
+    assert thread is not None and thread.is_alive()
+    assert unmapper.stop(timeout=5.0) and not thread.is_alive()
