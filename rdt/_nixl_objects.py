@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -96,7 +96,6 @@ class _Remote:
 
     loads: int = 0
     inflight: int = 0
-    last: float = field(default_factory=time.monotonic)
 
 
 class NixlAgent:
@@ -179,7 +178,6 @@ class NixlAgent:
                 self.agent.add_remote_agent(blob)
             rem.loads += 1
             rem.inflight += 1
-            rem.last = time.monotonic()
 
     def done_remote(self, name: str) -> None:
         """A READ from ``name`` is over (finished, failed, or its parked transfer was reaped)."""
