@@ -6,6 +6,7 @@ NIXL, shared memory, ...); passing it back to the producer gives the very same t
 else falls back to Ray's object store. Tensors are freed when the last reference to the ref dies.
 """
 
+from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed Ray lacks a private API rdt needs)
 from ._api import configure, create_collective_group, destroy_collective_group, stats
 from ._decorator import put, tensor_method
 from ._config import TRANSPORTS

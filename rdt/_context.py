@@ -236,8 +236,8 @@ class RdtContext:
         cuda_ipc = _export_cuda_ipc(entry, transport, ipc_map)
         self.table.add(entry)
         token = self.tokens().take()
-        core = ray._private.worker.global_worker.core_worker
-        if not core.add_object_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
+        from ._ray_hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
+        if not add_out_of_scope_callback(token, lambda _id, oid=obj_id: self._on_out_of_scope(oid)):
             logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", obj_id.hex())
         return ObjectMeta(obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
                           tuple(self.groups()), token, None, shm, nixl, store_ref, timeout, cuda_ipc, cma)
@@ -352,10 +352,11 @@ class RdtContext:
         except Exception:
             pass
         if self.nixl is not None:
-            self.nixl.close()  # after the table: releasing objects deregisters their memory through the agent
+            # after the table: releasing objects deregisters their memory through the agent
+            self.nixl.stop(_lifecycle.JOIN_TIMEOUT_S)
         self.shm_pool.close()
         self.buffers.close()
-        self.unmapper.close()
+        self.unmapper.stop(_lifecycle.JOIN_TIMEOUT_S)
         self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)

@@ -73,8 +73,8 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
 
 
 def _task_id() -> Optional[str]:
-    worker = ray._private.worker.global_worker
-    if worker.mode != ray.WORKER_MODE:  # the driver has no task (and Ray would log a warning for asking)
+    from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
+    if worker_mode() != ray.WORKER_MODE:  # the driver has no task (and Ray would log a warning for asking)
         return None
     try:
         return ray.get_runtime_context().get_task_id()
