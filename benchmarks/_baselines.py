@@ -51,6 +51,7 @@ class RayCollectiveImpl(Impl):
     name = "ray.collective-gloo"
     family = "baseline"
     backend = "gloo"
+    static_mechanism = "gloo"
 
     def __init__(self) -> None:
         self._group: Optional[str] = None
@@ -131,6 +132,7 @@ class ObjectStoreImpl(Impl):
 
     family = "baseline"
     backend = "objstore"
+    static_mechanism = "object_store"
 
     def __init__(self, zero_copy: bool = False) -> None:
         self.zero_copy = zero_copy
@@ -200,6 +202,7 @@ class TorchDistImpl(Impl):
     name = "torch.dist-gloo"
     family = "baseline"
     backend = "gloo"
+    static_mechanism = "gloo"
 
     def __init__(self) -> None:
         self._procs: List[Any] = []

@@ -12,6 +12,8 @@ import ray
 import torch
 
 from ._cluster import ActorPool, log
+from ._mechanism import rdt_collective_mechanism
+from ._units import fmt_size
 
 ALGORITHMS: Tuple[str, ...] = ("ring", "bde", "tree")
 ROOT_CHECK_TOL = 1e-3
@@ -72,6 +74,7 @@ class Impl:
     backend = ""
     algorithm = ""
     ops: Tuple[str, ...] = ("p2p", "allreduce")
+    static_mechanism = ""  # the mechanism when it cannot change at run time (baselines); "" = ask mechanism()
 
     def setup(self, ctx: BenchContext, world_size: int) -> None:
         """Prepare actors/groups for ``world_size``; raise to mark the implementation unavailable."""
@@ -82,6 +85,10 @@ class Impl:
 
     def teardown(self, ctx: BenchContext) -> None:
         """Release what setup made (groups); actors stay for the next case."""
+
+    def mechanism(self, ctx: BenchContext, op: str, nbytes: int) -> str:
+        """The mechanism that served ``op`` of ``nbytes`` (asked after measuring; the static one by default)."""
+        return self.static_mechanism or "?"
 
 
 # ---------------------------------------------------------------------- in-actor helpers
@@ -150,9 +157,14 @@ def _rdt_measure(self: Any, group: str, rank: int, world_size: int, op: str, nby
     return timed_loop(lambda: rt.barrier(group, timeout=timeout), run, t, op, rank, world_size, warmup, iters)
 
 
-def gather_times(ctx: BenchContext, refs: List[Any], nbytes: int) -> List[List[float]]:
+def _rdt_mechanism(self: Any, group: str, op: str, nbytes: int, algorithm: str) -> str:
+    """In an actor: :func:`rdt_collective_mechanism` (a module function, so that Ray ships it by reference)."""
+    return rdt_collective_mechanism(group, op, nbytes, algorithm)
+
+
+def gather_times(ctx: BenchContext, refs: List[Any], nbytes: int, timeout: Optional[float] = None) -> List[Any]:
     """ray.get every rank's timings with a timeout; a hang resets the actor pool; raises the root-cause error."""
-    timeout = ctx.config.call_timeout(nbytes)
+    timeout = timeout or ctx.config.call_timeout(nbytes)
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     errors: List[BaseException] = []
     out: List[List[float]] = []
@@ -219,6 +231,12 @@ class RdtImpl(Impl):
         by_rank = gather_times(ctx, refs, nbytes)
         return [t for _, t in sorted(zip(h.ranks, by_rank))]
 
+    def mechanism(self, ctx: BenchContext, op: str, nbytes: int) -> str:
+        """Asked of rank 0's group: the backend, the shared-memory allreduce, or the p2p algorithm that ran."""
+        h = self._handle
+        return ray.get(h.actors[0].__ray_call__.remote(_rdt_mechanism, h.name, op, nbytes, self.algorithm),
+                       timeout=30)
+
     def teardown(self, ctx: BenchContext) -> None:
         """Destroy the group on every member."""
         if self._handle is not None:
@@ -246,11 +264,12 @@ def summarize(op: str, times: List[List[float]], world_size: int) -> Dict[str, f
 
 
 def make_row(suite: str, op: str, impl: Impl, nbytes: int, world_size: int, warmup: int, iters: int,
-             stats: Dict[str, Any]) -> Dict[str, Any]:
-    """One measurement as a JSON-able dict."""
+             stats: Dict[str, Any], mechanism: str, mode: str = "barrier") -> Dict[str, Any]:
+    """One measurement as a JSON-able dict; ``mechanism`` is what served it, ``mode`` how it was timed."""
     sec, best = stats["seconds"], stats["seconds_min"]
     row = {"suite": suite, "op": op, "impl": impl.name, "family": impl.family, "backend": impl.backend,
-           "algorithm": impl.algorithm, "size": nbytes, "world_size": world_size, "warmup": warmup,
+           "algorithm": impl.algorithm, "mechanism": mechanism, "mode": mode, "size": nbytes,
+           "world_size": world_size, "warmup": warmup,
            "iters": iters, **stats, "latency_us": sec * 1e6, "gbps": nbytes / sec / 1e9,
            "gbps_best": nbytes / best / 1e9}
     if op == "allreduce":
@@ -258,10 +277,12 @@ def make_row(suite: str, op: str, impl: Impl, nbytes: int, world_size: int, warm
     return row
 
 
-def error_row(suite: str, op: str, impl: Impl, world_size: int, error: str, nbytes: Optional[int] = None) -> Dict:
+def error_row(suite: str, op: str, impl: Impl, world_size: int, error: str, nbytes: Optional[int] = None,
+              mode: str = "barrier") -> Dict:
     """A failed/unavailable implementation (the run goes on)."""
     return {"suite": suite, "op": op, "impl": impl.name, "family": impl.family, "backend": impl.backend,
-            "algorithm": impl.algorithm, "size": nbytes, "world_size": world_size, "error": error}
+            "algorithm": impl.algorithm, "mechanism": impl.static_mechanism or "?", "mode": mode, "size": nbytes,
+            "world_size": world_size, "error": error}
 
 
 def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int) -> List[Dict[str, Any]]:
@@ -286,11 +307,13 @@ def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int
                 if impl.family == "rdt" and ("Timeout" in msg or "Unavailable" in msg):
                     ctx.unavailable[(impl.backend, world_size)] = f"skipped: {impl.name} failed with {msg[:200]}"
                 break  # the group (or process set) is unusable after a failure
-            row = make_row(suite, op, impl, nbytes, world_size, warmup, iters, summarize(op, times, world_size))
+            mech = _ask_mechanism(ctx, impl, op, nbytes)
+            row = make_row(suite, op, impl, nbytes, world_size, warmup, iters, summarize(op, times, world_size),
+                           mech)
             rows.append(row)
             extra = f"  busbw {row['busbw_gbps']:7.3f} GB/s" if op == "allreduce" else ""
             log(f"{label} {fmt_size(nbytes):>9}  {row['latency_us']:12.1f} us  {row['gbps']:7.3f} GB/s{extra}"
-                f"  (x{iters})")
+                f"  (x{iters}) [{mech}]")
     finally:
         try:
             impl.teardown(ctx)
@@ -299,12 +322,13 @@ def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int
     return rows
 
 
-def fmt_size(nbytes: int) -> str:
-    """4096 -> '4 KiB'."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= (1 << shift) and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
+def _ask_mechanism(ctx: BenchContext, impl: Impl, op: str, nbytes: int) -> str:
+    """impl.mechanism(), or '?' (logged) when it cannot be told: a label is never guessed."""
+    try:
+        return impl.mechanism(ctx, op, nbytes)
+    except Exception as e:  # noqa: BLE001
+        log(f"{impl.name}: could not tell the mechanism: {_first_line(e)}")
+        return "?"
 
 
 def _first_line(e: BaseException) -> str:

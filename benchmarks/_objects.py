@@ -19,6 +19,7 @@ import torch
 import rdt
 
 from ._cluster import log
+from ._mechanism import comparable, describe_pair, object_mechanism
 
 PAGE_FLOATS = 1024
 
@@ -92,6 +93,11 @@ IMPLS: Tuple[Tuple[str, str], ...] = (
 )
 
 
+# Ray's own paths (no rdt counters to read): impl -> mechanism
+RAY_MECHANISMS: Dict[str, str] = {"ray-objstore": "object_store", "ray-rdt-gloo": "ray-rdt (gloo)",
+                                  "ray-rdt-nixl": "ray-rdt (nixl)"}
+
+
 def _iterations(nbytes: int, quick: bool) -> Tuple[int, int]:
     if quick:
         return 1, 3
@@ -131,6 +137,11 @@ class _RssSampler:
         self._thread.join()
 
 
+def _rdt_stats(producer: Any, consumer: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """rdt.stats() of both actors: which paths served the fetches (consumer) and segments written (producer)."""
+    return rdt.stats(producer, timeout=30), rdt.stats(consumer, timeout=30)
+
+
 def _round_trip(a: Any, b: Any, method: str, expect: float, timeout: float) -> float:
     t0 = time.perf_counter()
     got = ray.get(b.consume.remote(getattr(a, method).remote()), timeout=timeout)
@@ -159,12 +170,18 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
             warmup, iters = _iterations(nbytes, quick)
             timeout = 60.0 + nbytes / 20e6
             for impl, method in IMPLS:
-                ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10))
-                row: Dict[str, Any] = {"suite": "objects", "impl": impl, "size": nbytes, "world_size": 2}
+                ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10), timeout=60)
+                row: Dict[str, Any] = {"suite": "objects", "impl": impl, "size": nbytes, "world_size": 2,
+                                       "mode": "round-trip", "mechanism": RAY_MECHANISMS.get(impl, "?")}
                 try:
+                    before = _rdt_stats(a, b) if impl not in RAY_MECHANISMS else None
                     for _ in range(warmup):
                         _round_trip(a, b, method, expect, timeout)
                     times = [_round_trip(a, b, method, expect, timeout) for _ in range(iters)]
+                    if before is not None:
+                        after = _rdt_stats(a, b)
+                        row["mechanism"] = object_mechanism(method.removeprefix("rdt_"), before[1], after[1],
+                                                            before[0], after[0])
                     med, best = statistics.median(times), min(times)
                     row.update(seconds=med, seconds_best=best, gbps=nbytes / med / 1e9, gbps_best=nbytes / best / 1e9,
                                latency_us=med * 1e6, iters=iters, times_s=[round(t, 6) for t in times])
@@ -178,7 +195,8 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
                         finally:
                             ray.get([x.set_pool.remote(1 << 30) for x in (a, b)], timeout=60)
                         row["rss_peak_over_idle_bytes"] = [pk - i for pk, i in zip(s.peak, idle)]
-                    log(f"objects {impl:<18} {nbytes:>10} B  median {med * 1e3:9.3f} ms  {row['gbps']:.3f} GB/s")
+                    log(f"objects {impl:<18} {nbytes:>10} B  median {med * 1e3:9.3f} ms  {row['gbps']:.3f} GB/s"
+                        f"  [{row['mechanism']}]")
                 except Exception as e:  # noqa: BLE001 - record and go on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     log(f"objects {impl:<18} {nbytes:>10} B  ERROR {row['error']}")
@@ -203,7 +221,9 @@ def object_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         rb = (x["seconds_best"] / y["seconds_best"]) if inverse else (y["seconds_best"] / x["seconds_best"])
         met: Callable[[float], bool] = (lambda v: v <= need) if inverse else (lambda v: v >= need)
         out.append({"target": desc, "ratio": round(r, 3), "ratio_best": round(rb, 3), "required": need,
-                    "met": met(r), "met_best": met(rb), "inverse": inverse})
+                    "met": met(r), "met_best": met(rb), "inverse": inverse, "unit": "x",
+                    "mechanisms": describe_pair(x.get("mechanism"), y.get("mechanism")),
+                    "cross_mechanism": not comparable(x.get("mechanism"), y.get("mechanism"))})
 
     big, small = 128 << 20, 4 << 10
     ratio("objects 128 MiB rdt-gloo >= 2x Ray RDT gloo", "rdt-gloo", "ray-rdt-gloo", big, 2.0)
@@ -215,5 +235,6 @@ def object_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             worst = max(r["rss_peak_over_idle_bytes"]) / big
             out.append({"target": f"objects 128 MiB {impl} peak RSS over idle <= 2x tensor (each side)",
                         "ratio": round(worst, 3), "ratio_best": round(worst, 3), "required": 2.0,
-                        "met": worst <= 2.0, "met_best": worst <= 2.0, "inverse": True})
+                        "met": worst <= 2.0, "met_best": worst <= 2.0, "inverse": True, "unit": "x",
+                        "mechanisms": str(r.get("mechanism", "?")), "cross_mechanism": False})
     return out

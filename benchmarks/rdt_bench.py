@@ -1,9 +1,11 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
 and rdt's object layer vs Ray's built-in RDT and object store.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``.
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``,
+or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
 Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
-info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. A suite is a function of a
+info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. Every row names the mechanism that served it
+(``mechanism``, read at run time) and how it was timed (``mode``). A suite is a function of a
 :class:`BenchContext` returning result dicts; add one to :data:`SUITES` to extend the matrix.
 """
 
@@ -18,10 +20,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ._baselines import baseline_impls
+from ._baselines import RayCollectiveImpl, baseline_impls
+from ._compare import CompareError, compare_runs
 from ._cluster import ActorPool, env_mismatch, log, start_ray
 from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
 from ._objects import object_targets, objects_suite
+from ._p2p import interleaved_p2p
 from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
                       write_png)
 
@@ -38,10 +42,17 @@ def _impls(ctx: BenchContext, op: str) -> List[Impl]:
 
 
 def p2p_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
-    """Rank 0 -> rank 1 send/recv of one tensor, timed on the receiver."""
-    rows: List[Dict[str, Any]] = []
-    for impl in _impls(ctx, "p2p"):
-        if "p2p" in impl.ops:
+    """Rank 0 -> rank 1 send/recv of one tensor, timed on the receiver.
+
+    rdt's backends and ray.util.collective run in interleaved rounds in the same two actors, both back to back
+    and barrier-then-transfer (see _p2p); the other baselines (own processes, or the object store) run as their
+    own cases, barrier-then-transfer.
+    """
+    impls = [i for i in _impls(ctx, "p2p") if "p2p" in i.ops]
+    together = [i for i in impls if i.family == "rdt" or isinstance(i, RayCollectiveImpl)]
+    rows = interleaved_p2p(ctx, together)
+    for impl in impls:
+        if impl not in together:
             rows += run_case(ctx, "p2p", "p2p", impl, P2P_WORLD_SIZE)
     return rows
 
@@ -91,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, default=None, help="local cluster CPUs (default: max world size)")
     p.add_argument("--object-store-mb", type=int, default=2048, help="local cluster object store size")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                   help="print the speed-up (B/A throughput) of every cell in both runs, and the cells in one only")
     return p
 
 
@@ -102,8 +115,20 @@ def out_path(arg: Optional[str], stamp: str) -> Path:
     return p if p.suffix == ".json" else p / f"{stamp}.json"
 
 
+def run_compare(path_a: str, path_b: str) -> int:
+    """--compare: print the comparison of two result files; 0, or 2 for a file that is not rdt-bench JSON."""
+    try:
+        print(compare_runs(Path(path_a), Path(path_b)))
+    except CompareError as e:
+        log(f"rdt-bench --compare: {e}")
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the selected suites; returns the exit status."""
+    if args.compare:
+        return run_compare(*args.compare)
     suites = _csv(args.suites)
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
@@ -147,11 +172,11 @@ def run(args: argparse.Namespace) -> int:
     meta["targets"] = check_targets(rows) + object_targets(rows)
     write_json(json_path, meta, rows)
     json_path.with_suffix(".md").write_text(format_markdown(meta, rows, sizes) + "\n")
-    png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows)
+    png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows, meta["targets"])
     print(format_table(rows, sizes))
     ratios = compare(rows)
     if ratios:
-        print("\n== rdt-gloo relative throughput ==\n" + "\n".join(ratios))
+        print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))
     if meta["targets"]:
         print("\n== targets ==\n" + format_targets(meta["targets"]))
     load = meta["machine"]["loadavg_at_start"][0]

@@ -8,6 +8,7 @@ else falls back to Ray's object store. Tensors are freed when the last reference
 Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` adds your own.
 """
 
+from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed Ray lacks a private API rdt needs)
 from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
 from ._api import configure, create_collective_group, destroy_collective_group, stats
 from ._decorator import put, tensor_method

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 import time
 import weakref
@@ -61,6 +62,11 @@ class BufferPool:
 
     Bounded by ``max_bytes`` of idle buffers; an idle buffer is unmapped after ``ttl`` seconds (or at once when
     it does not fit). Thread-safe: buffers come back on whichever thread drops the last view.
+
+    A finalizer may run anywhere, including inside this pool's locked region on the same thread (a GC pass
+    triggered by an allocation there), so it enqueues the buffer's key on a lock-free queue and drains the queue
+    itself only if it can take the lock without waiting; otherwise the next ``empty``, ``trim``, ``idle_bytes``
+    or ``close`` drains it (the reaper calls ``trim`` periodically, so returned memory never waits long).
     """
 
     def __init__(self, max_bytes: int, ttl: float) -> None:
@@ -69,6 +75,7 @@ class BufferPool:
         self._lock = threading.Lock()
         self._live: Dict[int, mmap.mmap] = {}
         self._free: List[Tuple[float, mmap.mmap]] = []
+        self._returned: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # keys of dead buffers, from finalizers
         self._idle_bytes = 0
         self._next = 0
         self.hits = 0
@@ -90,61 +97,92 @@ class BufferPool:
             self._next += 1
             key = self._next
             self._live[key] = mm
-        weakref.finalize(arr, self._give_back, key)
+        weakref.finalize(arr, self._on_dead, key)
         return torch.from_numpy(arr)
 
-    def _take(self, size: int) -> Optional[mmap.mmap]:
-        with self._lock:
-            self._expire(time.monotonic())
-            best = None
-            for i, (_, mm) in enumerate(self._free):
-                if size <= len(mm) <= 2 * size and (best is None or len(mm) < len(self._free[best][1])):
-                    best = i
-            if best is None:
-                return None
-            _, mm = self._free.pop(best)
-            self._idle_bytes -= len(mm)
-            return mm
+    def _on_dead(self, key: int) -> None:
+        """Finalizer: enqueue the buffer, then drain at once only if the lock is free (never wait for it: this
+        thread may be the one holding it)."""
+        self._returned.put(key)  # SimpleQueue.put is reentrant
+        if not self._lock.acquire(blocking=False):
+            return  # the holder, or the next call, drains it
+        try:
+            drop = self._drain()
+        finally:
+            self._lock.release()
+        _close_all(drop)
 
-    def _give_back(self, key: int) -> None:
-        drop = None
-        with self._lock:
+    def _take(self, size: int) -> Optional[mmap.mmap]:
+        drop: List[mmap.mmap] = []
+        try:
+            with self._lock:
+                drop = self._drain()
+                drop += self._expire(time.monotonic())
+                best = None
+                for i, (_, mm) in enumerate(self._free):
+                    if size <= len(mm) <= 2 * size and (best is None or len(mm) < len(self._free[best][1])):
+                        best = i
+                if best is None:
+                    return None
+                _, mm = self._free.pop(best)
+                self._idle_bytes -= len(mm)
+                return mm
+        finally:
+            _close_all(drop)
+
+    def _drain(self) -> List[mmap.mmap]:
+        """Move buffers whose views died into the idle list (caller holds the lock); returns those to unmap."""
+        drop = []
+        while True:
+            try:
+                key = self._returned.get_nowait()
+            except queue.Empty:
+                return drop
             mm = self._live.pop(key, None)
             if mm is None:
-                return
+                continue
             if self._idle_bytes + len(mm) <= self.max_bytes:
                 self._free.append((time.monotonic(), mm))
                 self._idle_bytes += len(mm)
             else:
-                drop = mm
-        if drop is not None:
-            _close(drop)
+                drop.append(mm)
 
-    def _expire(self, now: float) -> None:
-        keep = []
+    def _expire(self, now: float) -> List[mmap.mmap]:
+        """Remove buffers idle longer than ``ttl`` (caller holds the lock); returns them for unmapping."""
+        keep, drop = [], []
         for since, mm in self._free:
             if now - since > self.ttl:
                 self._idle_bytes -= len(mm)
-                _close(mm)
+                drop.append(mm)
             else:
                 keep.append((since, mm))
         self._free = keep
+        return drop
 
     def trim(self) -> None:
-        """Unmap buffers idle for longer than ``ttl`` (called periodically)."""
+        """Take back dropped buffers and unmap those idle for longer than ``ttl`` (called periodically)."""
         with self._lock:
-            self._expire(time.monotonic())
+            drop = self._drain() + self._expire(time.monotonic())
+        _close_all(drop)
 
     def idle_bytes(self) -> int:
         with self._lock:
-            return self._idle_bytes
+            drop = self._drain()
+            n = self._idle_bytes
+        _close_all(drop)
+        return n
 
     def close(self) -> None:
         """Unmap every idle buffer (buffers still in use are unmapped when their tensors die)."""
         with self._lock:
+            drop = self._drain()
             free, self._free, self._idle_bytes = self._free, [], 0
-        for _, mm in free:
-            _close(mm)
+        _close_all(drop + [mm for _, mm in free])
+
+
+def _close_all(mms: List[mmap.mmap]) -> None:
+    for mm in mms:
+        _close(mm)
 
 
 class ParallelCopier:

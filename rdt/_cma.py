@@ -6,7 +6,7 @@ process (it may be busy or even stopped). This is how MPI libraries and UCX move
 
 The kernel allows it only where the consumer could ptrace the producer: same user, and Yama's ``ptrace_scope``
 at 0 (or absent), or ``CAP_SYS_PTRACE``. rdt never relaxes that; where it is refused, ``shm`` falls back to a
-shared-memory segment (see ``_fetch``).
+shared-memory segment (see ``transports/shm``).
 
 Each object the producer keeps readable this way has a small **guard** in the producer's memory: the object's
 id, zeroed before its tensors are released. A consumer reads the tensors, then the guard; only a guard that
@@ -21,9 +21,12 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from collections import OrderedDict
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from rdt_transports._proc import pid_alive
 
 MAGIC = b"rdtcma1\0"
 GUARD_BYTES = len(MAGIC) + 16
@@ -110,6 +113,37 @@ def _read_once(pid: int, local: int, remote: int, n: int) -> None:
         done += got
 
 
+class _DeniedPids:
+    """Pids the kernel refused, most recent last: at most ``cap`` (the oldest is forgotten and merely tried
+    again), and a pid whose process died is forgotten when asked about, so a reused pid starts afresh."""
+
+    def __init__(self, cap: int = 1024) -> None:
+        self.cap = cap
+        self._pids: "OrderedDict[int, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, pid: int) -> None:
+        with self._lock:
+            self._pids[pid] = None
+            self._pids.move_to_end(pid)
+            while len(self._pids) > self.cap:
+                self._pids.popitem(last=False)
+
+    def __contains__(self, pid: object) -> bool:
+        with self._lock:
+            if pid not in self._pids:
+                return False
+        if isinstance(pid, int) and pid_alive(pid):
+            return True
+        with self._lock:
+            self._pids.pop(pid, None)  # type: ignore[call-overload]
+        return False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pids)
+
+
 class CmaReader:
     """Reads producers' buffers into local memory, splitting large reads across a few threads (ctypes releases
     the GIL, and one thread cannot saturate memory bandwidth). Remembers producers the kernel refused."""
@@ -118,7 +152,7 @@ class CmaReader:
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
-        self._denied: Set[int] = set()
+        self._denied = _DeniedPids()
 
     def denied(self, pid: int) -> bool:
         return pid in self._denied
@@ -136,8 +170,7 @@ class CmaReader:
             got = np.empty(GUARD_BYTES, dtype=np.uint8)
             _read_once(pid, got.ctypes.data, info.guard, GUARD_BYTES)
         except CmaDenied:
-            with self._lock:
-                self._denied.add(pid)
+            self._denied.add(pid)
             raise
         if got.tobytes() != _guard_bytes(obj_id):
             raise CmaError(errno.ESTALE, f"object {obj_id.hex()} is no longer held by pid {pid}")

@@ -1,7 +1,7 @@
 """Per-process rdt state: the object table, the control server, lifetime tokens, stats, and the two roles.
 
 Producer role (:meth:`RdtContext.produce`): flatten a returned value, keep its tensors in the table, attach a
-lifetime token and return an :class:`ObjectMeta`. Consumer role (:meth:`RdtContext.resolve`, in ``_fetch``):
+lifetime token and return an :class:`ObjectMeta`. Consumer role (:meth:`RdtContext.resolve`, in ``_consumer``):
 turn an ObjectMeta back into the value. One RdtContext per process, created on first use.
 """
 
@@ -261,10 +261,11 @@ class RdtContext:
         except Exception:
             pass
         if self.nixl is not None:
-            self.nixl.close()  # after the table: releasing objects deregisters their memory through the agent
+            # after the table: releasing objects deregisters their memory through the agent
+            self.nixl.stop(_lifecycle.JOIN_TIMEOUT_S)
         self.shm_pool.close()
         self.buffers.close()
-        self.unmapper.close()
+        self.unmapper.stop(_lifecycle.JOIN_TIMEOUT_S)
         self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)

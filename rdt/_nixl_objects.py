@@ -13,8 +13,9 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -48,18 +49,69 @@ def available() -> bool:
     return _available
 
 
+_MEM_CODES = {"DRAM": 0, "VRAM": 1}
+_MEM_NAMES = {v: k for k, v in _MEM_CODES.items()}
+
+
 @dataclass(frozen=True)
 class NixlInfo:
-    """What a consumer needs to READ an object: agent name, agent metadata, descriptors."""
+    """What a consumer needs to READ an object: agent name, agent metadata, descriptors, each buffer's memory type.
+
+    ``mem_type`` is "VRAM" if any buffer is (it picks the consumer's device); ``mem_types`` is per buffer
+    (defaults to ``mem_type`` for all). NIXL's partial metadata covers one registration, and a registration one
+    memory type, so a mixed object has one more metadata blob per further type in ``extra_md``.
+    """
 
     agent: str
     agent_md: bytes
     mem_type: str  # "DRAM" or "VRAM"
     descs: Tuple[Tuple[int, int, int], ...]  # (address, length, device id) per buffer
+    mem_types: Tuple[str, ...] = ()
+    extra_md: Tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.mem_types:
+            object.__setattr__(self, "mem_types", (self.mem_type,) * len(self.descs))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def group_by_mem_type(types: Sequence[K]) -> List[Tuple[K, List[int]]]:
+    """Buffer indices per memory type (or any key, e.g. a (local, remote) pair), in order of first appearance:
+    NIXL takes one memory type per registration and per descriptor list."""
+    groups: Dict[K, List[int]] = {}
+    for i, t in enumerate(types):
+        groups.setdefault(t, []).append(i)
+    return list(groups.items())
+
+
+def mem_type_of(buf: torch.Tensor) -> str:
+    """NIXL's memory type for one buffer."""
+    return "VRAM" if buf.device.type == "cuda" else "DRAM"
+
+
+@dataclass
+class _Remote:
+    """What this agent loaded of one remote agent: partial-metadata loads since the last reset, and READs that
+    may still use its descriptors (a remote agent is only removed while none is)."""
+
+    loads: int = 0
+    inflight: int = 0
 
 
 class NixlAgent:
-    """This process's NIXL agent, and which remote agents it has loaded."""
+    """This process's NIXL agent, and which remote agents it has loaded.
+
+    Each fetch loads the producer's partial metadata (connection info plus that object's registrations), which
+    NIXL keeps until the remote agent is removed. So that this stays bounded over a long job, a remote agent
+    whose loads reach ``MAX_LOADS_PER_REMOTE`` is removed and loaded afresh from the current object's metadata,
+    and beyond ``MAX_REMOTES`` agents the least recently used idle one (e.g. a producer that died) is removed;
+    both only while no READ from that agent is in flight.
+    """
+
+    MAX_LOADS_PER_REMOTE = 256
+    MAX_REMOTES = 64
 
     def __init__(self, name: str) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -70,19 +122,20 @@ class NixlAgent:
         # complete without it.
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.lock = threading.Lock()
-        self._remotes: set = set()
+        self._remotes: "OrderedDict[str, _Remote]" = OrderedDict()  # least recently used first
         # Transfers that timed out but may still be moving data: their destination buffers and registrations
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
         # memory).
-        self.parked: List[Tuple[Any, Any, List[torch.Tensor]]] = []
+        self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
         self._stop = threading.Event()
         self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
 
-    def close(self) -> None:
-        """Stop the progress thread before anything else touches the agent at exit (it calls into NIXL, which
-        must never happen while the interpreter finalizes)."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the progress thread (before the interpreter finalizes: it calls into NIXL); True if it ended."""
         self._stop.set()
-        self._thread.join(_lifecycle.JOIN_TIMEOUT_S)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _progress(self, period: float = 0.002) -> None:
         while not self._stop.wait(period):
@@ -97,26 +150,64 @@ class NixlAgent:
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""
         still = []
-        for handle, reg, dst in self.parked:
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception:
-                state = "ERR"
-            if state == "PROC":
-                still.append((handle, reg, dst))
-                continue
-            for release in (handle.release, lambda: self.agent.deregister_memory(reg)):
+        for handles, regs, dst, name in self.parked:
+            states = []
+            for handle in handles:
                 try:
-                    release()
+                    states.append(self.agent.check_xfer_state(handle))
                 except Exception:
-                    pass
+                    states.append("ERR")
+            if "PROC" in states:
+                still.append((handles, regs, dst, name))
+                continue
+            _release_all(self.agent, handles, regs)
+            self._done_locked(name)
         self.parked = still
 
-    def ensure_remote(self, name: str, md: bytes) -> None:
-        """Load (or extend) what we know of a remote agent; loading partial metadata again is cheap (~1 µs)."""
+    def ensure_remote(self, name: str, md: bytes, *extra_md: bytes) -> None:
+        """Load (or extend) what we know of a remote agent for one READ; loading partial metadata again is cheap
+        (~1 µs). Each call must be paired with :meth:`done_remote` once that READ no longer runs."""
         with self.lock:
-            self.agent.add_remote_agent(md)
-            self._remotes.add(name)
+            rem = self._remotes.pop(name, None)
+            if rem is not None and rem.loads >= self.MAX_LOADS_PER_REMOTE and not rem.inflight:
+                self._remove_locked(name)  # forget every stale registration of it; md below reloads connection info
+                rem = None
+            rem = rem or _Remote()
+            self._remotes[name] = rem  # most recently used last
+            self._evict_idle_locked()
+            for blob in (md,) + extra_md:
+                self.agent.add_remote_agent(blob)
+            rem.loads += 1
+            rem.inflight += 1
+
+    def done_remote(self, name: str) -> None:
+        """A READ from ``name`` is over (finished, failed, or its parked transfer was reaped)."""
+        with self.lock:
+            self._done_locked(name)
+
+    def remote_loads(self, name: str) -> int:
+        """Partial-metadata loads of ``name`` since it was last (re)loaded afresh (for tests and stats)."""
+        with self.lock:
+            rem = self._remotes.get(name)
+            return rem.loads if rem is not None else 0
+
+    def _done_locked(self, name: str) -> None:
+        rem = self._remotes.get(name)
+        if rem is not None and rem.inflight > 0:
+            rem.inflight -= 1
+
+    def _evict_idle_locked(self) -> None:
+        """Remove least recently used idle remote agents beyond ``MAX_REMOTES`` (caller holds the lock)."""
+        excess = len(self._remotes) - self.MAX_REMOTES
+        for name in [n for n, r in self._remotes.items() if not r.inflight][:max(excess, 0)]:
+            del self._remotes[name]
+            self._remove_locked(name)
+
+    def _remove_locked(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # not loaded (any more): nothing to forget
+            pass
 
 
 def agent(ctx: "RdtContext") -> NixlAgent:
@@ -128,10 +219,6 @@ def agent(ctx: "RdtContext") -> NixlAgent:
     return ctx.nixl
 
 
-def _mem_type(buffers: List[torch.Tensor]) -> str:
-    return "VRAM" if buffers and buffers[0].device.type == "cuda" else "DRAM"
-
-
 def _sync_cuda(bufs: List[torch.Tensor]) -> None:
     """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams)."""
     for dev in {b.device for b in bufs if b.device.type == "cuda"}:
@@ -139,21 +226,30 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
 
 
 def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
-    """Register an object's buffers (once) and describe them for consumers."""
+    """Register an object's buffers (once, one registration per memory type) and describe them for consumers."""
     known = entry.exports.get("nixl")
     if known is not None:
         return known[1]
     ag = agent(ctx)
     bufs = entry.buffers
     _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
+    types = [mem_type_of(b) for b in bufs]
+    groups = group_by_mem_type(types) or [("DRAM", [])]
+    regs: List[Any] = []
     with ag.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
-        reg = ag.agent.register_memory(bufs)
-        # Partial metadata: connection info plus just this object's registrations, so it stays small however
-        # many objects are alive, and is never stale (full metadata fetched once would miss later registrations).
-        md = ag.agent.get_partial_agent_metadata(reg, True)
+        try:
+            for _, idx in groups:
+                regs.append(ag.agent.register_memory([bufs[i] for i in idx]))
+            # Partial metadata: connection info plus just this object's registrations, so it stays small however
+            # many objects are alive, and is never stale (full metadata fetched once would miss later ones).
+            mds = [ag.agent.get_partial_agent_metadata(reg, True) for reg in regs]
+        except BaseException:
+            for reg in regs:
+                ag.agent.deregister_memory(reg)
+            raise
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
-    info = NixlInfo(ag.name, md, _mem_type(bufs), descs)
-    entry.exports["nixl"] = (reg, info)
+    info = NixlInfo(ag.name, mds[0], "VRAM" if "VRAM" in types else "DRAM", descs, tuple(types), tuple(mds[1:]))
+    entry.exports["nixl"] = (regs, info)
     return info
 
 
@@ -162,12 +258,13 @@ def release(ctx: "RdtContext", entry: "Entry") -> None:
     known = entry.exports.pop("nixl", None)
     if known is None or ctx.nixl is None:
         return
-    reg, _ = known
-    try:
-        with ctx.nixl.lock:
-            ctx.nixl.agent.deregister_memory(reg)
-    except Exception:  # deregistration failure must not break freeing
-        pass
+    regs, _ = known
+    for reg in regs:
+        try:
+            with ctx.nixl.lock:
+                ctx.nixl.agent.deregister_memory(reg)
+        except Exception:  # deregistration failure must not break freeing
+            pass
 
 
 def encode_info(info: NixlInfo) -> bytes:
@@ -176,6 +273,9 @@ def encode_info(info: NixlInfo) -> bytes:
     out = [struct.pack("!H", len(name)), name, struct.pack("!I", len(info.agent_md)), info.agent_md,
            info.mem_type.encode()[:4].ljust(4, b" "), struct.pack("!I", len(info.descs))]
     out += [struct.pack("!QQI", a, n, d) for a, n, d in info.descs]
+    out.append(bytes(_MEM_CODES[t] for t in info.mem_types))
+    out.append(struct.pack("!H", len(info.extra_md)))
+    out += [struct.pack("!I", len(md)) + md for md in info.extra_md]
     return b"".join(out)
 
 
@@ -199,58 +299,97 @@ def decode_info(data: bytes) -> NixlInfo:
         for _ in range(k):
             descs.append(struct.unpack_from("!QQI", data, off))
             off += 20
+        codes = data[off:off + k]
+        off += k
+        (n_extra,) = struct.unpack_from("!H", data, off)
+        off += 2
+        extra = []
+        for _ in range(n_extra):
+            (x,) = struct.unpack_from("!I", data, off)
+            off += 4
+            extra.append(data[off:off + x])
+            off += x
     except (struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"malformed NIXL info: {e}") from e
-    if mem not in ("DRAM", "VRAM") or len(md) != m:
+    if (mem not in ("DRAM", "VRAM") or len(md) != m or len(codes) != k or any(c not in _MEM_NAMES for c in codes)
+            or off > len(data)):
         raise ValueError("malformed NIXL info")
-    return NixlInfo(name, md, mem, tuple(descs))
+    return NixlInfo(name, md, mem, tuple(descs), tuple(_MEM_NAMES[c] for c in codes), tuple(extra))
 
 
 def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float) -> List[torch.Tensor]:
     """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
 
-    ``device`` may be a CUDA device for VRAM or DRAM sources (NIXL registers the destination as VRAM) or the CPU
-    (the consumer has no GPU: a VRAM source is read into DRAM).
+    Each buffer keeps its own kind of memory: a VRAM source is read to ``device`` when it is a CUDA device (else
+    into DRAM: the consumer has no GPU), a DRAM source into CPU memory.
     """
     ag = agent(ctx)
-    ag.ensure_remote(info.agent, info.agent_md)
-    dst = [ctx.buffers.empty(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
-           for _, n, _ in info.descs]
+    ag.ensure_remote(info.agent, info.agent_md, *info.extra_md)
+    parked = False
+    try:
+        return _read(ctx, ag, info, device, timeout)
+    except _Parked:
+        parked = True  # it stays counted as in flight until the progress thread reaps it
+        raise
+    finally:
+        if not parked:
+            ag.done_remote(info.agent)
+
+
+class _Parked(TimeoutError):
+    """A READ timed out but may still be moving data: its memory was parked on the agent."""
+
+
+def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
+          timeout: float) -> List[torch.Tensor]:
+    """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
+    per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
+    dst = [torch.empty(n, dtype=torch.uint8, device=device) if t == "VRAM" and device.type == "cuda"
+           else ctx.buffers.empty(n) for (_, n, _), t in zip(info.descs, info.mem_types)]
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
-    with ag.lock:
-        reg = ag.agent.register_memory(dst)
-    handle = None
+    local_types = [mem_type_of(d) for d in dst]
+    regs: List[Any] = []
+    handles: List[Any] = []
     try:
         with ag.lock:
-            local = ag.agent.get_xfer_descs(dst)
-            remote = ag.agent.get_xfer_descs(list(info.descs), info.mem_type)
-            handle = ag.agent.initialize_xfer("READ", local, remote, info.agent)
-        try:
+            for _, idx in group_by_mem_type(local_types):
+                regs.append(ag.agent.register_memory([dst[i] for i in idx]))
+            for (_, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types))):
+                local = ag.agent.get_xfer_descs([dst[i] for i in idx])
+                remote = ag.agent.get_xfer_descs([info.descs[i] for i in idx], remote_type)
+                handles.append(ag.agent.initialize_xfer("READ", local, remote, info.agent))
+            states = [ag.agent.transfer(h) for h in handles]
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while "PROC" in states:
+            if time.monotonic() > deadline:
+                with ag.lock:  # may still complete later: keep its memory until it does
+                    ag.parked.append((handles, regs, dst, info.agent))
+                handles, regs = [], []
+                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
             with ag.lock:
-                state = ag.agent.transfer(handle)
-            deadline = time.monotonic() + timeout
-            delay = 1e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    with ag.lock:  # may still complete later: keep its memory until it does
-                        ag.parked.append((handle, reg, dst))
-                    handle = reg = None
-                    raise TimeoutError(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
-                with ag.lock:
-                    state = ag.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ from {info.agent} failed (state {state}); the producer may have died")
-        finally:
-            if handle is not None:
-                try:
-                    with ag.lock:
-                        handle.release()
-                except Exception:
-                    pass
+                states = [ag.agent.check_xfer_state(h) if st == "PROC" else st for h, st in zip(handles, states)]
+        bad = [st for st in states if st != "DONE"]
+        if bad:
+            raise RuntimeError(f"NIXL READ from {info.agent} failed (state {bad[0]}); the producer may have died")
     finally:
-        if reg is not None:
+        if handles or regs:
             with ag.lock:
-                ag.agent.deregister_memory(reg)
+                _release_all(ag.agent, handles, regs)
     return dst
+
+
+def _release_all(nixl_agent: Any, handles: List[Any], regs: List[Any]) -> None:
+    """Release transfer handles, then deregister memory (caller holds the agent's lock); never raises."""
+    for handle in handles:
+        try:
+            handle.release()
+        except Exception:
+            pass
+    for reg in regs:
+        try:
+            nixl_agent.deregister_memory(reg)
+        except Exception:
+            pass

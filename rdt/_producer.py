@@ -11,11 +11,10 @@ import logging
 import secrets
 from typing import Any, List, Optional, Tuple
 
-import ray
-
 from . import transports
 from ._flatten import Flattened, flatten, leaf_from_buffer
 from ._meta import ObjectMeta
+from ._ray_hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
 from ._table import Entry
 from .errors import UnsupportedError
 
@@ -50,8 +49,7 @@ def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, tim
     exports = _export(ctx, entry, transport, chosen)
     ctx.table.add(entry)
     token = ctx.tokens().take()
-    core = ray._private.worker.global_worker.core_worker
-    if not core.add_object_out_of_scope_callback(token, lambda _id, oid=entry.obj_id: ctx.on_out_of_scope(oid)):
+    if not add_out_of_scope_callback(token, lambda _id, oid=entry.obj_id: ctx.on_out_of_scope(oid)):
         logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", entry.obj_id.hex())
     return ObjectMeta(entry.obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
                       tuple(ctx.groups()), token, exports, timeout)

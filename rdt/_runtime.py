@@ -6,6 +6,8 @@ from typing import Optional
 
 import ray
 
+from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
+
 
 def node_id() -> str:
     """This process's Ray node id ("" outside Ray)."""
@@ -25,8 +27,7 @@ def in_actor() -> bool:
 
 def task_id() -> Optional[str]:
     """The running task's id in a worker (None on the driver, where Ray would warn for asking)."""
-    worker = ray._private.worker.global_worker
-    if worker.mode != ray.WORKER_MODE:
+    if worker_mode() != ray.WORKER_MODE:
         return None
     try:
         return ray.get_runtime_context().get_task_id()

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from rdt_transports import _lifecycle
+from rdt_transports import _lifecycle, _proc
 from rdt_transports._proc import pid_alive  # rdt's modules and tests check liveness through _shm
 
 SHM_DIR = "/dev/shm"
@@ -37,9 +37,12 @@ PREFIX = "rdt-"
 ALIGN = 256
 HEADER = ALIGN  # b"rdtseg1\0" + the 16-byte object id, padded to ALIGN
 MAGIC = b"rdtseg1\0"
-_NAME_RE = re.compile(r"rdt-([0-9]+)-[0-9a-f]{32}")  # used with fullmatch: no trailing newline, ASCII digits
+# Object segments are rdt-<pid>-<16 hex owner token><16 random hex>: the token names the owner's lock (see
+# rdt_transports._proc). Other files of this form (rdt_transports' shm allreduce segments, barrier semaphores:
+# peers derive those names from a published pid) have no lock of their own and are judged by pid.
+_NAME_RE = re.compile(r"rdt-([0-9]+)-([0-9a-f]{16})[0-9a-f]{16}")  # fullmatch: no trailing newline, ASCII digits
 # What the reaper removes: segments, and the named semaphores of rdt_transports' shared-memory barrier
-_REAP_RE = re.compile(r"(?:sem\.)?rdt-([0-9]+)-[0-9a-f]{32}")
+_REAP_RE = re.compile(r"(?:sem\.)?rdt-([0-9]+)-([0-9a-f]{16})[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def write_segment(buffers: Sequence[torch.Tensor], obj_id: bytes = b"", capacity
     path, which is the cheapest way to fill fresh tmpfs pages)."""
     layout, size = _layout([b.numel() for b in buffers])
     size = max(size, capacity)
-    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+    name = f"{PREFIX}{os.getpid()}-{_proc.owner_token()}{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -119,14 +122,25 @@ class DeferredUnmapper:
             self._live[key] = mm
             if self._thread is None:
                 self._thread = _lifecycle.spawn(self._run, "rdt-unmap")
-                _lifecycle.at_exit(self.close)
+                _lifecycle.at_exit(self.stop)
         weakref.finalize(arr, self._queue.put, key)
         return torch.from_numpy(arr)
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the background thread (before the interpreter finalizes); True if it ended. Mappings whose
+        tensors die later stay mapped until exit."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _run(self) -> None:
         while True:
             key = self._queue.get()
-            if key is None:  # close()
+            if key is None:  # stop()
                 return
             with self._lock:
                 mm = self._live.pop(key, None)
@@ -135,14 +149,6 @@ class DeferredUnmapper:
                     mm.close()  # also closes mmap's duplicate descriptor, releasing the shared lock
                 except BufferError:  # cannot happen once the array is gone; never kill the thread
                     pass
-
-    def close(self) -> None:
-        """Stop the background thread (mappings still in use are then closed by their own finalizers)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(_lifecycle.JOIN_TIMEOUT_S)
 
     def pending(self) -> int:
         """Mappings still open (for tests)."""
@@ -187,34 +193,68 @@ def unlink(name: str) -> None:
 
 
 def reap_dead_owners() -> int:
-    """Unlink segments (and barrier semaphores) whose owner process is gone (killed before it could clean up)."""
+    """Unlink segments (and barrier semaphores) whose owner process is gone (killed before it could clean up),
+    then the owners' lock files.
+
+    A file whose name carries an owner token with a lock file is removed only once that lock can be taken,
+    which holds across pid namespaces. Any other (allreduce segments, semaphores) is kept while some process
+    holding an owner lock with that pid, or a process with that pid in our namespace, lives: conservative, a
+    pid shared across namespaces delays reaping but never deletes a live owner's file.
+    """
     removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
+    owners = _proc.lock_states(names)
+    held_pids = {pid for (pid, _), held in owners.items() if held}
     for name in names:
         m = _REAP_RE.fullmatch(name)
-        if not m:
+        if m is None:
             continue
-        if not pid_alive(int(m.group(1))):
+        pid, token = int(m.group(1)), m.group(2)
+        held = owners.get((pid, token))
+        dead = not held if held is not None else pid not in held_pids and not pid_alive(pid)
+        if dead:
             unlink(name)
             removed += 1
+    for name in names:
+        if _proc.LOCK_RE.fullmatch(name):
+            _proc.reap_lock(name)
     return removed
 
 
 def owner_alive(name: str) -> bool:
-    """Whether the process that wrote segment ``name`` still runs (on this node)."""
+    """Whether the process that wrote segment ``name`` still runs (on this node, in any pid namespace)."""
     m = _NAME_RE.fullmatch(name)
-    return bool(m) and pid_alive(int(m.group(1)))
+    if m is None:
+        return False
+    pid, token = int(m.group(1)), m.group(2)
+    held = _proc.lock_held(pid, token)
+    if held is not None:
+        return held
+    try:  # no owner lock: a file named by pid only; conservative as in reap_dead_owners
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        names = []
+    return pid_alive(pid) or any(h for (p, _), h in _proc.lock_states(names, pid).items())
 
 
 def segments_of(pid: int) -> List[str]:
-    """Names of live segments owned by ``pid`` (for tests and stats)."""
+    """Names of live segments owned by ``pid`` (for tests and stats); for this process, only its own or those
+    without an owner lock (another pid namespace may have a process with the same pid)."""
     try:
-        return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}{pid}-")]
+        names = os.listdir(SHM_DIR)
     except OSError:
         return []
+    own = _proc.current_owner_token() if pid == os.getpid() else None
+    locked = {t for (p, t) in _proc.lock_states(names, pid, probe=False)} if pid == os.getpid() else set()
+    out = []
+    for n in names:
+        m = _NAME_RE.fullmatch(n)
+        if m and int(m.group(1)) == pid and (m.group(2) == own or m.group(2) not in locked):
+            out.append(n)
+    return out
 
 
 def semaphores_of(pid: int) -> List[str]:

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ._flatten import Flattened
+
+
+def _enqueue_dead(dead: "queue.SimpleQueue[Tuple[int, ...]]", key: Tuple[int, ...], _ref: Any) -> None:
+    dead.put(key)
+
+
+class _WeakLeaves:
+    """Weak references to one set of leaves, and the inline object ids that stand for it."""
+
+    __slots__ = ("key", "refs", "ids")
+
+    def __init__(self, key: Tuple[int, ...], refs: List["weakref.ref[Any]"]) -> None:
+        self.key = key  # the leaves' ids when recorded
+        self.refs = refs
+        self.ids: Set[bytes] = set()
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.refs)
+
+    def holds(self, leaves: List[Any]) -> bool:
+        """Whether this record is about exactly these objects (ids alone can be reused after a death)."""
+        return len(leaves) == len(self.refs) and all(r() is x for r, x in zip(self.refs, leaves))
 
 
 @dataclass
@@ -41,9 +67,13 @@ class ObjectTable:
     small object passed back to its producer is still the very same tensors, yet nothing is held for it.
     """
 
+    MAX_WEAK = 4096  # inline ids remembered at most (each costs a dict slot; records are shared)
+
     def __init__(self, release: Callable[[Entry], None]) -> None:
         self._entries: Dict[bytes, Entry] = {}
-        self._weak: Dict[bytes, List[Any]] = {}
+        self._weak: "OrderedDict[bytes, _WeakLeaves]" = OrderedDict()  # obj_id -> record, oldest first
+        self._by_leaves: Dict[Tuple[int, ...], _WeakLeaves] = {}  # ids of the leaves -> their one record
+        self._dead: "queue.SimpleQueue[Tuple[int, ...]]" = queue.SimpleQueue()  # records a leaf of which died
         self._lock = threading.Lock()
         self._release = release
         self.freed = 0
@@ -51,29 +81,67 @@ class ObjectTable:
         self.on_change: Optional[Callable[[int, int], None]] = None  # (objects, bytes) -> None, e.g. a gauge
 
     def add_weak(self, obj_id: bytes, leaves: List[Any]) -> None:
-        import weakref
-
-        def drop(_ref: Any) -> None:
-            with self._lock:
-                self._weak.pop(obj_id, None)
-
-        try:
-            refs = [weakref.ref(x, drop) for x in leaves]
-        except TypeError:
-            return
+        """Remember ``leaves`` under ``obj_id`` while they live; one weak record per distinct set of leaves, so a
+        long-lived tensor returned inline at every step costs one record, and at most ``MAX_WEAK`` ids are kept
+        (the oldest are forgotten: such a ref passed back gets a copy from its inline bytes, not the same tensor).
+        """
+        key = tuple(id(x) for x in leaves)
         with self._lock:
-            self._weak[obj_id] = refs
+            self._drain_dead()
+            rec = self._by_leaves.get(key)
+            if rec is not None and not rec.holds(leaves):
+                self._forget(key, rec)  # the ids were reused by new objects before the callback was drained
+                rec = None
+        if rec is None:
+            try:
+                # The callback may run on any thread at any point, this table's locked regions included (a leaf
+                # freed by a GC pass there): it only enqueues, and the queue is drained under the lock.
+                rec = _WeakLeaves(key, [weakref.ref(x, functools.partial(_enqueue_dead, self._dead, key))
+                                       for x in leaves])
+            except TypeError:
+                return
+        with self._lock:
+            rec = self._by_leaves.setdefault(key, rec)
+            rec.ids.add(obj_id)
+            self._weak[obj_id] = rec
+            while len(self._weak) > self.MAX_WEAK:
+                old_id, old = self._weak.popitem(last=False)
+                old.ids.discard(old_id)
+                if not old.ids and self._by_leaves.get(old.key) is old:
+                    del self._by_leaves[old.key]
+
+    def _forget(self, key: Tuple[int, ...], rec: "_WeakLeaves") -> None:
+        """Drop a record and every id that pointed at it (caller holds the lock)."""
+        if self._by_leaves.get(key) is rec:
+            del self._by_leaves[key]
+        for oid in rec.ids:
+            self._weak.pop(oid, None)
+        rec.ids.clear()
+
+    def _drain_dead(self) -> None:
+        """Forget weak records one of whose leaves died (caller holds the lock)."""
+        while True:
+            try:
+                key = self._dead.get_nowait()
+            except queue.Empty:
+                return
+            rec = self._by_leaves.get(key)
+            if rec is not None and not rec.alive():
+                self._forget(key, rec)
 
     def get_weak(self, obj_id: bytes) -> Optional[List[Any]]:
         with self._lock:
-            refs = self._weak.get(obj_id)
-        if refs is None:
+            self._drain_dead()
+            rec = self._weak.get(obj_id)
+        if rec is None:
             return None
-        leaves = [r() for r in refs]
+        leaves = [r() for r in rec.refs]
         return leaves if all(x is not None for x in leaves) else None
 
     def weak_count(self) -> int:
+        """Ids with a live weak record."""
         with self._lock:
+            self._drain_dead()
             return len(self._weak)
 
     def add(self, entry: Entry) -> None:

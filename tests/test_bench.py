@@ -1,26 +1,41 @@
-"""Smoke test for rdt-bench: a --quick run finishes, writes JSON with gloo and baseline rows, and a PNG."""
+"""rdt-bench: a --quick run finishes and says what ran (mechanism, mode); the mechanism labels are read from the
+real paths; ``--compare`` reads two result files without Ray."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED_IMPLS = ("rdt-gloo", "ray.collective-gloo", "torch.dist-gloo", "ray-objstore")
+INTERLEAVED = ("rdt-gloo", "rdt-nixl", "ray.collective-gloo")
+KiB = 1 << 10
 
 
-@pytest.mark.timeout(200)
+def _cma_expected() -> str:
+    """What a same-node shm fetch is on this machine: a direct read where the kernel allows one, else a segment."""
+    from rdt import _cma
+
+    return "cma" if _cma.supported() and _cma.yama_allows_siblings() else "shm-segment"
+
+
+def _bench(*args: str, timeout: float = 180, env: Dict[str, str] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.rdt_bench", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+# The smoke test runs first: its rdt-bench starts its own cluster, before this module's shared one exists.
+@pytest.mark.timeout(220)
 def test_rdt_bench_quick(tmp_path: Path) -> None:
-    """rdt-bench --quick over all three suites exits 0 with positive rdt and baseline throughput."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.rdt_bench", "--quick", "--suites", "p2p,allreduce,objects",
-         "--backends", "gloo,nixl", "--world-sizes", "2", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-    )
+    """rdt-bench --quick over all three suites exits 0 with positive throughput, and every row says what ran."""
+    proc = _bench("--quick", "--suites", "p2p,allreduce,objects", "--backends", "gloo,nixl", "--world-sizes", "2",
+                  "--sizes", "4K,256K", "--out", str(tmp_path), timeout=200)
     assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 1, f"expected one JSON file in {tmp_path}, got {files}"
@@ -36,6 +51,236 @@ def test_rdt_bench_quick(tmp_path: Path) -> None:
     for impl in ("rdt-gloo", "rdt-shm", "rdt-auto", "ray-objstore", "ray-rdt-gloo"):
         rows = [r for r in ok if r["suite"] == "objects" and r["impl"] == impl]
         assert rows and all(r["gbps"] > 0 for r in rows), (impl, rows)
+    _check_labels(data["results"])
+    _check_modes(ok)
+    for t in data["targets"]:
+        assert t["mechanisms"] and isinstance(t["cross_mechanism"], bool), t
     png = files[0].with_suffix(".png")
     assert png.exists() and png.stat().st_size > 1000
-    assert "rdt-gloo" in proc.stdout  # the table went to stdout
+    assert "| mechanism |" in files[0].with_suffix(".md").read_text()
+    assert "rdt-gloo" in proc.stdout and "mechanism" in proc.stdout  # the table went to stdout
+    assert "shm-allreduce" in proc.stdout and "[cross-mechanism: shm-allreduce vs gloo]" in proc.stdout
+
+    same = _bench("--compare", str(files[0]), str(files[0]), timeout=60)  # a real run against itself
+    assert same.returncode == 0, same.stderr
+    ratios = [ln for ln in same.stdout.splitlines() if ln.rstrip().endswith("x") and " -> " in ln]
+    assert len(ratios) == len(ok) and all(ln.rstrip().endswith("1.00x") for ln in ratios), same.stdout
+    assert "== only in A (0) ==" in same.stdout and "== only in B (0) ==" in same.stdout
+
+
+def _check_labels(rows: List[Dict[str, Any]]) -> None:
+    """Every row has a mechanism; the ones this machine determines are what ran."""
+    assert all(r.get("mechanism") for r in rows), [r for r in rows if not r.get("mechanism")]
+    by = {(r["suite"], r["impl"], r.get("mode"), r.get("size")): r["mechanism"] for r in rows if "error" not in r}
+    for size in (4 * KiB, 256 * KiB):
+        assert by[("allreduce", "rdt-gloo", "barrier", size)] == "shm-allreduce"  # one node: shared memory
+        assert by[("allreduce", "rdt-gloo/ring", "barrier", size)] == "gloo-p2p/ring"
+        assert by[("allreduce", "ray.collective-gloo", "barrier", size)] == "gloo"
+        assert by[("p2p", "rdt-gloo", "barrier", size)] == "gloo"
+        assert by[("p2p", "ray-objstore", "barrier", size)] == "object_store"
+        for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl", "rdt-auto"):  # 4 KiB is under the 64 KiB inline threshold
+            if size == 4 * KiB:
+                assert by[("objects", impl, "round-trip", size)] == "inline", impl
+    assert by[("objects", "rdt-gloo", "round-trip", 256 * KiB)] == "gloo"
+    assert by[("objects", "rdt-gloo-noinline", "round-trip", 4 * KiB)] == "gloo"
+    assert by[("objects", "rdt-shm", "round-trip", 256 * KiB)] == _cma_expected()
+    assert by[("objects", "rdt-nixl", "round-trip", 256 * KiB)] == "nixl"
+    assert by[("objects", "ray-rdt-gloo", "round-trip", 256 * KiB)] == "ray-rdt (gloo)"
+
+
+def _check_modes(ok: List[Dict[str, Any]]) -> None:
+    """p2p: rdt and ray.util.collective measured both ways, interleaved in the same actors."""
+    for impl in INTERLEAVED:
+        for mode in ("back-to-back", "barrier"):
+            rows = [r for r in ok if r["suite"] == "p2p" and r["impl"] == impl and r["mode"] == mode]
+            assert len(rows) == 2 and all(r["interleaved"] and r["gbps"] > 0 for r in rows), (impl, mode, rows)
+    assert all(r["mode"] == "barrier" for r in ok if r["suite"] == "allreduce")
+    assert all(r["mode"] == "round-trip" for r in ok if r["suite"] == "objects")
+
+
+# ---------------------------------------------------------------------- labels read from real transfers
+def _label(consume: Any, producer: Any, stats_of_consumer: Any, transport: str) -> str:
+    import rdt
+
+    from benchmarks._mechanism import object_mechanism
+
+    before = (rdt.stats(producer), stats_of_consumer())
+    consume()
+    return object_mechanism(transport, before[1], stats_of_consumer(), before[0], rdt.stats(producer))
+
+
+def test_object_mechanism_labels(ray_cluster) -> None:
+    """The labels of object fetches, read from rdt.stats() around real transfers: inline, gloo, a direct read or
+    a segment for shm, and the object-store fallback for a consumer outside the group."""
+    import ray
+    import rdt
+
+    from ._object_actors import Node
+
+    p, c = Node.remote(), Node.remote()
+    group = rdt.create_collective_group([p, c], backend="gloo")
+    n = 1 << 16  # 256 KiB: over the inline threshold
+    try:
+        def in_c() -> Dict[str, Any]:
+            return rdt.stats(c)
+
+        def via_c(method: str, numel: int) -> Any:
+            return lambda: ray.get(c.total.remote(getattr(p, method).remote(numel)), timeout=60)
+
+        assert _label(via_c("make_gloo", 16), p, in_c, "gloo") == "inline"
+        assert _label(via_c("make_gloo", n), p, in_c, "gloo") == "gloo"
+        assert _label(via_c("make_nixl", n), p, in_c, "nixl") == "nixl"
+        assert _label(via_c("make_shm", n), p, in_c, "shm") == _cma_expected()
+        ray.get([a.configure.remote(shm_cma=False) for a in (p, c)], timeout=30)
+        assert _label(via_c("make_shm", n), p, in_c, "shm") == "shm-segment"
+        ref = p.make_gloo.remote(n)
+        assert _label(lambda: ray.get(ref, timeout=60), p, rdt.stats, "gloo") == "object_store (fallback)"
+    finally:
+        rdt.destroy_collective_group(group)
+        for a in (p, c):
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm-allreduce", "gloo-allreduce"])
+def test_collective_mechanism_labels(ray_cluster, shm: bool) -> None:
+    """rdt-gloo's allreduce is labelled by what the group set up: the same-node shared-memory allreduce, or Gloo
+    where it is turned off (RDT_GLOO_SHM=0); p2p algorithms and p2p are labelled by backend."""
+    import ray
+    import rdt_transports as rt
+    import torch
+
+    from benchmarks._cluster import BenchWorker
+    from benchmarks._collectives import _rdt_mechanism
+
+    env = {} if shm else {"runtime_env": {"env_vars": {"RDT_GLOO_SHM": "0"}}}
+    cls = ray.remote(num_cpus=0)(BenchWorker)
+    actors = [cls.options(**env).remote() for _ in range(2)]
+    try:
+        h = rt.create_collective_group(actors, backend="gloo", timeout=60)
+
+        def ask(op: str, algorithm: str) -> List[str]:
+            return ray.get([a.__ray_call__.remote(_rdt_mechanism, h.name, op, 4096, algorithm) for a in actors],
+                           timeout=60)
+
+        def allreduce(self: Any, name: str) -> float:
+            t = torch.ones(1024)
+            rt.allreduce(t, name, timeout=30)
+            return float(t[0])
+
+        assert ray.get([a.__ray_call__.remote(allreduce, h.name) for a in actors], timeout=60) == [2.0, 2.0]
+        assert ask("allreduce", "native") == ["shm-allreduce" if shm else "gloo"] * 2
+        assert ask("allreduce", "ring") == ["gloo-p2p/ring"] * 2
+        assert ask("p2p", "native") == ["gloo"] * 2
+        h.destroy(timeout=30)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+# ---------------------------------------------------------------------- comparison logic
+def _row(suite: str, impl: str, mechanism: str, size: int, latency_us: float, mode: str = "barrier",
+         ws: int = 2, **extra: Any) -> Dict[str, Any]:
+    """A result row in rdt-bench's JSON shape."""
+    sec = latency_us / 1e6
+    return {"suite": suite, "op": suite, "impl": impl, "family": "rdt" if impl.startswith("rdt-") else "baseline",
+            "backend": "gloo", "algorithm": "native", "mechanism": mechanism, "mode": mode, "size": size,
+            "world_size": ws, "warmup": 1, "iters": 3, "seconds": sec, "seconds_min": sec, "seconds_all": [sec] * 3,
+            "latency_us": latency_us, "gbps": size / sec / 1e9, "gbps_best": size / sec / 1e9, **extra}
+
+
+def test_targets_and_ratios_mark_cross_mechanism() -> None:
+    """A target or ratio between different mechanism classes says so; gloo against gloo does not."""
+    from benchmarks._report import compare
+    from benchmarks._targets import check_targets
+
+    mib = 1 << 20
+    rows = [_row("allreduce", "rdt-gloo", "shm-allreduce", 16 * mib, 10e3, ws=4),
+            _row("allreduce", "ray.collective-gloo", "gloo", 16 * mib, 20e3, ws=4),
+            _row("allreduce", "ray-objstore", "object_store", 16 * mib, 200e3, ws=4),
+            _row("p2p", "rdt-gloo", "gloo", 4 * KiB, 100.0, "back-to-back"),
+            _row("p2p", "ray.collective-gloo", "gloo", 4 * KiB, 100.0, "back-to-back"),
+            _row("p2p", "rdt-ucx", "ucx", 4 * KiB, 120.0, "barrier")]
+    targets = {t["target"]: t for t in check_targets(rows)}
+    shm = targets["allreduce n=4 16 MiB >= 1x ray.util.collective"]
+    assert shm["met"] and shm["ratio"] == 2.0 and shm["cross_mechanism"]
+    assert shm["mechanisms"] == "shm-allreduce vs gloo (cross-mechanism)"
+    p2p = targets["gloo p2p back-to-back 4 KiB >= 0.95x ray.util.collective"]
+    assert p2p["met"] and p2p["ratio"] == 1.0 and not p2p["cross_mechanism"] and p2p["mechanisms"] == "gloo vs gloo"
+    ucx = targets["ucx p2p barrier 4 KiB <= 150 us"]
+    assert ucx["met"] and ucx["unit"] == "us" and ucx["ratio"] == 120.0
+    assert "gloo p2p barrier 4 KiB >= 0.95x ray.util.collective" not in targets  # no baseline in that mode
+    lines = compare(rows)
+    assert any("[cross-mechanism: shm-allreduce vs gloo]" in ln and "ray.collective-gloo" in ln for ln in lines)
+    assert any("back-to-back" in ln and "1.00x" in ln and "cross-mechanism" not in ln for ln in lines)
+
+
+def test_compare_two_runs(tmp_path: Path) -> None:
+    """--compare prints B/A speed-ups of the cells in both files, mechanism changes, failures, and the cells
+    in one run only; exit 0, with no Ray cluster (RAY_ADDRESS points nowhere, so ray.init would fail)."""
+    a_rows = [_row("p2p", "rdt-gloo", "gloo", 4 * KiB, 400.0, "back-to-back"),
+              _row("p2p", "rdt-gloo", "gloo", 4 * KiB, 500.0, "barrier"),
+              _row("objects", "rdt-shm", "shm-segment", 1 << 20, 10e3, "round-trip"),
+              _row("allreduce", "rdt-gloo", "shm-allreduce", 64 * KiB, 300.0, ws=4),
+              _row("p2p", "rdt-ucx", "ucx", 4 * KiB, 900.0, "barrier")]
+    b_rows = [_row("p2p", "rdt-gloo", "gloo", 4 * KiB, 100.0, "back-to-back"),
+              _row("p2p", "rdt-gloo", "gloo", 4 * KiB, 1000.0, "barrier"),
+              _row("objects", "rdt-shm", "cma", 1 << 20, 5e3, "round-trip"),
+              _row("p2p", "rdt-nixl", "nixl", 4 * KiB, 80.0, "barrier"),
+              {**_row("p2p", "rdt-ucx", "ucx", 4 * KiB, 900.0, "barrier"), "error": "TimeoutError: boom"}]
+    paths = []
+    for name, rows in (("A.json", a_rows), ("B.json", b_rows)):
+        path = tmp_path / name
+        path.write_text(json.dumps({"machine": {"date": "2026-11-23"}, "results": rows}))
+        paths.append(str(path))
+    env = dict(os.environ, RAY_ADDRESS="127.0.0.1:1")
+    proc = _bench("--compare", *paths, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    lines = out.splitlines()
+
+    def line(*words: str) -> str:
+        hits = [ln for ln in lines if all(w in ln for w in words)]
+        assert len(hits) == 1, (words, out)
+        return hits[0]
+
+    assert "B median throughput / A median throughput" in out
+    assert line("p2p", "back-to-back", "rdt-gloo", " 4 KiB").rstrip().endswith("4.00x")
+    assert line("p2p", "barrier", "rdt-gloo", " 4 KiB").rstrip().endswith("0.50x")
+    assert "geometric mean speed-up 1.41x" in out
+    assert line("rdt-shm", "shm-segment", "-> cma").rstrip().endswith("2.00x (cross-mechanism)")
+    assert "error: TimeoutError: boom" in line("rdt-ucx", "A: ", "B: ")
+    only_a = out.split("== only in A (2) ==")[1].split("== only in B")[0]
+    assert "shm-allreduce" in only_a and "shm-segment" in only_a
+    only_b = out.split("== only in B (2) ==")[1]
+    assert "rdt-nixl" in only_b and "cma" in only_b
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = _bench("--compare", paths[0], str(bad), timeout=60, env=env)
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_interleaved_p2p_drops_a_failing_library(ray_cluster) -> None:
+    """A library that fails in the interleaved rounds gets error rows and the size is re-run without it; the
+    others are still measured both ways in the same actors."""
+    from benchmarks._cluster import ActorPool
+    from benchmarks._collectives import BenchConfig, BenchContext, RdtImpl
+    from benchmarks._p2p import Lib, _lib, _measure_sizes
+
+    ctx = BenchContext(BenchConfig(sizes=[4 * KiB, 64 * KiB], world_sizes=[2], backends=["gloo"], quick=True,
+                                   group_timeout=60), ActorPool())
+    good, broken = RdtImpl("gloo", "native"), RdtImpl("ucx", "auto")  # broken: its group was never created
+    good.setup(ctx, 2)
+    try:
+        rows = _measure_sizes(ctx, [(broken, Lib(broken.name, "rdt", "no-such-group")), (good, _lib(good))])
+    finally:
+        good.teardown(ctx)
+        ctx.pool.shutdown()
+    errors = [r for r in rows if "error" in r]
+    assert {(r["impl"], r["mode"], r["size"]) for r in errors} == {("rdt-ucx", m, 4 * KiB)
+                                                                   for m in ("back-to-back", "barrier")}
+    assert all("no-such-group" in r["error"] for r in errors), errors  # the library's own error
+    ok = [r for r in rows if "error" not in r]
+    assert sorted((r["impl"], r["mode"], r["size"]) for r in ok) == sorted(
+        ("rdt-gloo", m, s) for m in ("back-to-back", "barrier") for s in (4 * KiB, 64 * KiB))
+    assert all(r["gbps"] > 0 and r["mechanism"] == "gloo" and r["interleaved"] for r in ok)

@@ -16,7 +16,8 @@ whatever ``j`` wrote before arriving is visible to a rank once it took ``j``'s t
 Waits run in short slices; between slices the barrier checks the call's deadline, the backend's abort flag, the
 peers' "failed" semaphores and whether every peer's pid still lives (a killed rank is found in about one slice,
 not at the timeout). Semaphores live at ``/dev/shm/sem.rdt-<owner pid>-<32 hex>``, the hex an HMAC of the group
-secret, so names are unguessable and a dead owner's files can be reaped by pid.
+secret, so names are unguessable; the owner holds its owner lock (``rdt_transports._proc``) meanwhile, so a
+reaper removes them only once no process with that pid holds one (and none runs with it in the reaper's namespace).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Set
 
-from .._proc import pid_alive
+from .._proc import hold_owner_lock, pid_alive
 from ..errors import CollectiveTimeoutError, GroupDestroyedError, PeerUnavailableError
 
 SLICE_S = 0.05  # how often a blocked wait looks at the deadline, abort, failed and dead peers
@@ -129,7 +130,7 @@ class ShmBarrier:
         self._my_failed: Optional[int] = None
         self._got: Optional[Set[int]] = None  # peers whose token for the current barrier I hold
         self.count = 0  # barriers entered
-        pid = os.getpid()
+        pid = hold_owner_lock()  # reapers in any pid namespace see this pid's semaphores as live while we run
         try:
             for j in self._peers:
                 self._arrived[j] = self._create(sem_name(pid, secret, f"{uid}/barrier/{rank}/{j}"))
