@@ -58,7 +58,6 @@ def _ping(client: _control.ControlClient, address: str) -> Tuple[int, bytes]:
     return client.request(address, _control.REQ_PING, _control.KEY_PROCESS, KEY, b"", 5.0)
 
 
-@pytest.mark.xfail(strict=True, reason="control server: no connection cap, no read timeout (a thread per idle connection)")
 def test_flood_of_idle_and_half_frame_connections_is_capped_and_timed_out() -> None:
     threads0 = threading.active_count()
     srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"pong")},
@@ -88,7 +87,6 @@ def test_flood_of_idle_and_half_frame_connections_is_capped_and_timed_out() -> N
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="control server: no read timeout for a started frame")
 def test_slow_peer_frame_timeout_counts_as_rejected() -> None:
     srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  frame_timeout=0.5)
@@ -106,7 +104,6 @@ def test_slow_peer_frame_timeout_counts_as_rejected() -> None:
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="control client pool never shrinks")
 def test_client_pool_stays_bounded_over_10000_requests_to_many_addresses() -> None:
     srv = _control.ControlServer("0.0.0.0", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  max_conns=512)
@@ -127,7 +124,6 @@ def test_client_pool_stays_bounded_over_10000_requests_to_many_addresses() -> No
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="control server has no idle timeout (and the client no retry)")
 def test_client_retries_once_when_a_pooled_connection_was_closed_by_the_server() -> None:
     srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  idle_timeout=0.5)
@@ -160,7 +156,6 @@ def producer(ray_cluster):
     ray.kill(a)
 
 
-@pytest.mark.xfail(strict=True, reason="control server: a thread per idle connection in a real producer")
 def test_real_producer_serves_fetches_during_a_flood(producer) -> None:
     address, _, threads0 = ray.get(producer.__ray_call__.remote(_control_state), timeout=60)
     socks = _flood(address, FLOOD)
