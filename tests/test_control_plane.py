@@ -169,3 +169,46 @@ def test_real_producer_serves_fetches_during_a_flood(producer) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+# ---------------------------------------------------------------------------------------------- not in the actor queue
+@pytest.fixture()
+def fresh_node(ray_cluster):
+    a = Node.remote()
+    ray.get(a.pid.remote(), timeout=120)
+    yield a
+    ray.kill(a)
+
+
+def _not_done(ref: Any) -> bool:
+    return not ray.wait([ref], timeout=0)[0]
+
+
+@pytest.mark.xfail(strict=True, reason="the driver's fallback fetch and rdt.stats(actor) wait in the actor's queue")
+def test_driver_get_and_stats_do_not_wait_for_the_producers_running_method(fresh_node) -> None:
+    import rdt
+
+    p = fresh_node
+    ref = p.make_gloo.remote(1 << 16, 3.0)
+    assert ray.wait([ref], timeout=60)[0]
+    busy = p.busy.remote(6.0)
+    value = ray.get(ref, timeout=30)
+    assert _not_done(busy), "ray.get returned only after the producer's running method ended"
+    assert float(value["w"].sum()) == 3.0 * (1 << 16)
+    stats = rdt.stats(p, timeout=30)
+    assert _not_done(busy), "rdt.stats returned only after the producer's running method ended"
+    assert stats["objects"] >= 1
+    assert stats["transfers"]["object_store"]["out"] >= 1
+    assert ray.get(busy, timeout=30) == "done"
+    assert rdt.stats(p, timeout=30)["transfers"]["object_store"]["out"] == stats["transfers"]["object_store"]["out"]
+
+
+@pytest.mark.xfail(strict=True, reason="rdt.stats(actor) calls into an actor that never loaded rdt")
+def test_stats_of_an_actor_that_never_used_rdt_is_empty_without_calling_it(fresh_node) -> None:
+    import rdt
+
+    busy = fresh_node.busy.remote(6.0)
+    stats = rdt.stats(fresh_node, timeout=30)
+    assert _not_done(busy), "rdt.stats waited for the actor's running method"
+    assert stats["objects"] == 0 and stats["transfers"] == {}
+    assert ray.get(busy, timeout=30) == "done"
