@@ -40,11 +40,14 @@ REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_
 REQ_PREPARE_SHM = 2  # payload: obj_id(16)
 REQ_PREPARE_NIXL = 3  # payload: obj_id(16)
 REQ_PING = 4
+REQ_FETCH_BYTES = 5  # payload: obj_id(16) timeout_ms(u32); answer: n(u32) sizes(u64 * n), then the raw bytes
+REQ_STATS = 6  # answer: the process's rdt.stats() as UTF-8 JSON
 RESP_OK = 100
 RESP_ERR = 101  # payload: code(u16) utf-8 message
 
 KEY_PROCESS = 0
 KEY_GROUP = 1
+KEY_STATS = 2  # per-process key published in the GCS (namespace "rdt"): authorizes REQ_STATS and REQ_PING only
 
 ERR_NOT_FOUND = 1
 ERR_BAD_REQUEST = 2

@@ -2,8 +2,8 @@
 
 Paths: the producer itself (the very same tensors, no copy); bytes inlined in the metadata (small objects);
 shared memory (same node); the group's backend (Gloo/NCCL; the producer posts sends when asked over the control
-channel); NIXL READ; and Ray's object store through the producer actor (the fallback for processes outside a
-group, e.g. the driver). Within one task, the same object passed twice is fetched once.
+channel); NIXL READ; and the producer's bytes streamed over its control channel (the fallback for processes
+outside a group, e.g. the driver; the path keeps the name "object_store"). Within one task, the same object passed twice is fetched once.
 """
 
 from __future__ import annotations
@@ -258,9 +258,10 @@ def _died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:
 
 
 def _control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: bytes, payload: bytes,
-                     timeout: float) -> bytes:
+                     timeout: float, alloc: Optional[_control.Alloc] = None) -> bytes:
     try:
-        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout)
+        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout,
+                                             alloc)
     except (ConnectionError, OSError) as e:
         if isinstance(e, TimeoutError):
             raise
@@ -404,18 +405,6 @@ def _fetch_nixl(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor
         raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
 
 
-def _serve_buffers(_actor: Any, obj_id: bytes) -> List[torch.Tensor]:
-    """Runs in the producer (via __ray_call__): the object's buffers, for the object-store path."""
-    from ._context import get_context
-
-    ctx = get_context()
-    entry = ctx.table.get(obj_id)
-    if entry is None:
-        raise ObjectFreedError("the object was freed in its producer", object_id=obj_id.hex())
-    ctx.stats.add("object_store", "out", entry.nbytes)
-    return [b.cpu() for b in entry.buffers]
-
-
 def _get(meta: ObjectMeta, refs: List[Any], timeout: float) -> List[Any]:
     try:
         return ray.get(refs, timeout=timeout)
@@ -426,20 +415,29 @@ def _get(meta: ObjectMeta, refs: List[Any], timeout: float) -> List[Any]:
 
 
 def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
-    actor = meta.producer.actor
-    if actor is None:
-        raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served through Ray",
+    """The fallback path (the driver, tasks, actors outside a group): the producer's control server streams the
+    bytes (REQ_FETCH_BYTES), answered on its control thread, never in the actor's queue."""
+    if meta.producer.actor is None:  # a task's worker may exit or be reused at any time
+        raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served to this process",
                                object_id=meta.id_hex, hint="produce objects inside actors")
+    bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+    sizes = [b.nbytes for b in meta.buffers]
+
+    def into(resp_type: int, header: bytes) -> Optional[List[memoryview]]:
+        if resp_type != _control.RESP_OK:
+            return None
+        n = struct.unpack_from("!I", header)[0] if len(header) >= 4 else -1
+        got = list(struct.unpack_from(f"!{n}Q", header, 4)) if len(header) == 4 + 8 * max(n, 0) else None
+        if got != sizes:
+            raise _control.ProtocolError(f"the producer announced buffers of {got} bytes, the object has {sizes}")
+        return [memoryview(b.numpy()) for b in bufs]
+
+    payload = meta.obj_id + struct.pack("!I", min(int(timeout * 1000), 0xFFFFFFFF))
     try:
-        bufs = _get(meta, [actor.__ray_call__.remote(_serve_buffers, meta.obj_id)], timeout)[0]
-    except ray.exceptions.RayTaskError as e:
-        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-        if isinstance(cause, ObjectFreedError) or "ObjectFreedError" in str(e):
-            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched",
-                                   object_id=meta.id_hex,
-                                   hint="keep a reference to the ObjectRef until every consumer has run") from e
-        raise ObjectFetchError(f"fetching {meta.describe()} through the object store failed: {e}",
+        _control_request(ctx, meta, _control.REQ_FETCH_BYTES, _control.KEY_PROCESS, meta.producer.process_key,
+                         payload, timeout, alloc=into)
+    except _control.ProtocolError as e:
+        raise ObjectFetchError(f"fetching {meta.describe()} from its producer failed: {e}",
                                object_id=meta.id_hex) from e
-    bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
     device = _consumer_device(meta)  # GPU objects: onto this process's GPU if it has one, else stay on CPU
     return [b.to(device) for b in bufs] if device.type != "cpu" else bufs

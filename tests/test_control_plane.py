@@ -184,7 +184,6 @@ def _not_done(ref: Any) -> bool:
     return not ray.wait([ref], timeout=0)[0]
 
 
-@pytest.mark.xfail(strict=True, reason="the driver's fallback fetch and rdt.stats(actor) wait in the actor's queue")
 def test_driver_get_and_stats_do_not_wait_for_the_producers_running_method(fresh_node) -> None:
     import rdt
 
@@ -203,7 +202,6 @@ def test_driver_get_and_stats_do_not_wait_for_the_producers_running_method(fresh
     assert rdt.stats(p, timeout=30)["transfers"]["object_store"]["out"] == stats["transfers"]["object_store"]["out"]
 
 
-@pytest.mark.xfail(strict=True, reason="rdt.stats(actor) calls into an actor that never loaded rdt")
 def test_stats_of_an_actor_that_never_used_rdt_is_empty_without_calling_it(fresh_node) -> None:
     import rdt
 
@@ -212,3 +210,4 @@ def test_stats_of_an_actor_that_never_used_rdt_is_empty_without_calling_it(fresh
     assert _not_done(busy), "rdt.stats waited for the actor's running method"
     assert stats["objects"] == 0 and stats["transfers"] == {}
     assert ray.get(busy, timeout=30) == "done"
+
