@@ -211,3 +211,37 @@ def test_stats_of_an_actor_that_never_used_rdt_is_empty_without_calling_it(fresh
     assert stats["objects"] == 0 and stats["transfers"] == {}
     assert ray.get(busy, timeout=30) == "done"
 
+
+# ---------------------------------------------------------------------------------------------- outside the group
+@pytest.fixture(scope="module")
+def grouped(ray_cluster):
+    """A producer and a member of its gloo group, and an outsider that shares no group with it."""
+    import rdt
+
+    p, member, outsider = Node.remote(), Node.remote(), Node.remote()
+    ray.get([a.pid.remote() for a in (p, member, outsider)], timeout=120)
+    group = rdt.create_collective_group([p, member], backend="gloo")
+    yield p, member, outsider
+    rdt.destroy_collective_group(group)
+    for a in (p, member, outsider):
+        ray.kill(a)
+
+
+@pytest.mark.xfail(strict=True, reason="ray.get inside an actor outside the group raises NoCollectiveGroupError")
+def test_ray_get_inside_an_actor_outside_the_group_falls_back(grouped) -> None:
+    p, member, outsider = grouped
+    ref = p.make_gloo.remote(1 << 16, 2.0)
+    assert ray.get(outsider.try_total.remote([ref]), timeout=60) == ("ok", 2.0 * (1 << 16))
+    assert ray.get(member.try_total.remote([ref]), timeout=60) == ("ok", 2.0 * (1 << 16))  # over gloo
+    # a ref passed as a task argument still fails fast, naming the fix
+    from rdt.errors import NoCollectiveGroupError
+
+    with pytest.raises(NoCollectiveGroupError, match="rdt.create_collective_group"):
+        ray.get(outsider.total.remote(ref), timeout=60)
+
+
+@pytest.mark.xfail(strict=True, reason="ray.get inside an actor outside the group raises NoCollectiveGroupError")
+def test_producer_waiting_on_a_consumer_that_fetches_from_it_does_not_deadlock(grouped) -> None:
+    p, _, outsider = grouped
+    assert ray.get(p.put_and_ask.remote(outsider, "gloo"), timeout=90) == ("ok", 5.0 * (1 << 16))
+
