@@ -9,7 +9,9 @@ outside a group, e.g. the driver; the path keeps the name "object_store"). Withi
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -100,6 +102,31 @@ def _in_actor() -> bool:
         return False
 
 
+def _called_by_ray_get() -> bool:
+    """Whether Ray is deserializing this value for ``ray.get`` (True) rather than for a task's arguments.
+
+    A private Ray detail, kept here alone: ``ray.get`` reaches ``Worker.deserialize_objects`` from
+    ``Worker.get_objects`` (both in ray/_private/worker.py); task arguments reach it from Ray's Cython task loop
+    (or the event loop, for async actors). ``await ref`` in an async actor arrives from Cython too and counts as
+    an argument. tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
+    fails when Ray changes this.
+    """
+    frame = sys._getframe(1)
+    for _ in range(64):  # bounded: the value is at most a few dozen frames below Ray's entry point
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "deserialize_objects" and code.co_filename.endswith(_RAY_WORKER_FILE):
+            caller = frame.f_back
+            return (caller is not None and caller.f_code.co_name == "get_objects"
+                    and caller.f_code.co_filename.endswith(_RAY_WORKER_FILE))
+        frame = frame.f_back
+    return False
+
+
+_RAY_WORKER_FILE = os.path.join("ray", "_private", "worker.py")
+
+
 def _node_id() -> str:
     try:
         return ray.get_runtime_context().get_node_id()
@@ -175,7 +202,7 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
         if path in ("gloo", "nccl", "ucx"):
             common = _common_group(meta, (path,))
             if common is None:
-                if _in_actor():
+                if _in_actor() and not _called_by_ray_get():
                     raise NoCollectiveGroupError(
                         f"{meta.describe()} uses transport {path!r} but this actor shares no healthy {path} group "
                         f"with its producer (actor {meta.producer.actor_id[:12]})",

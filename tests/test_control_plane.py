@@ -227,7 +227,6 @@ def grouped(ray_cluster):
         ray.kill(a)
 
 
-@pytest.mark.xfail(strict=True, reason="ray.get inside an actor outside the group raises NoCollectiveGroupError")
 def test_ray_get_inside_an_actor_outside_the_group_falls_back(grouped) -> None:
     p, member, outsider = grouped
     ref = p.make_gloo.remote(1 << 16, 2.0)
@@ -240,8 +239,30 @@ def test_ray_get_inside_an_actor_outside_the_group_falls_back(grouped) -> None:
         ray.get(outsider.total.remote(ref), timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="ray.get inside an actor outside the group raises NoCollectiveGroupError")
 def test_producer_waiting_on_a_consumer_that_fetches_from_it_does_not_deadlock(grouped) -> None:
     p, _, outsider = grouped
     assert ray.get(p.put_and_ask.remote(outsider, "gloo"), timeout=90) == ("ok", 5.0 * (1 << 16))
 
+
+def _deserialization_kinds(_self: Any) -> Tuple[bool, bool]:
+    """In an actor: what rdt's probe says while Ray deserializes a ray.get value and a task argument."""
+    from rdt import _fetch
+
+    class Probe:
+        def __reduce__(self) -> Any:
+            return (_fetch._called_by_ray_get, ())
+
+    got = ray.get(ray.put(Probe()))
+
+    @ray.remote(num_cpus=0)
+    def as_argument(value: bool) -> bool:
+        return value
+
+    return got, ray.get(as_argument.remote(ray.put(Probe())))
+
+
+def test_ray_deserialization_probe_still_tells_get_from_task_arguments(grouped) -> None:
+    """Fails loudly when Ray changes the private detail rdt relies on (see rdt/_fetch.py::_called_by_ray_get)."""
+    got, arg = ray.get(grouped[2].__ray_call__.remote(_deserialization_kinds), timeout=60)
+    assert got is True, "Ray's ray.get path changed: rdt can no longer tell ray.get from task arguments"
+    assert arg is False, "Ray's task-argument path changed: rdt takes task arguments for ray.get"
