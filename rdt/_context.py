@@ -506,6 +506,12 @@ def _check_transport_devices(flat: Any, transport: str) -> None:
             f"transport {transport!r} moves CPU tensors only, but the value holds {sorted(devices)} tensors",
             hint="use tensor_transport='nccl', 'cuda_ipc' or 'nixl' for GPU tensors, or move them with .cpu()",
         )
+    if transport == "nixl" and len(devices) > 1:
+        raise UnsupportedError(
+            f"transport 'nixl' registers one memory type per object, but the value holds {sorted(devices)} tensors",
+            hint="use tensor_transport='auto' (a mixed value keeps each tensor's device) or return tensors of one "
+            "device",
+        )
     if transport in gpu_only and devices - {"cuda"}:
         raise UnsupportedError(
             f"transport {transport!r} moves CUDA tensors only, but the value holds {sorted(devices)} tensors",

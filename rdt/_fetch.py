@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 import torch
@@ -156,10 +156,25 @@ def _consumer_device(meta: ObjectMeta) -> torch.device:
     return torch.device("cpu")
 
 
+def buffer_devices(devices: Sequence[str], gpu: Optional[torch.device]) -> List[torch.device]:
+    """Where each received buffer goes, from the producer's device strings: CPU buffers stay on the CPU, GPU
+    buffers go to ``gpu`` (this process's CUDA device), or to the CPU when this process has none."""
+    cpu = torch.device("cpu")
+    return [gpu if d.startswith("cuda") and gpu is not None else cpu for d in devices]
+
+
+def _to_buffer_devices(meta: ObjectMeta, bufs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Move host buffers each to its own device (a mixed CPU/GPU value keeps both kinds)."""
+    devices = [b.device for b in meta.buffers]
+    gpu = _cuda_ipc.target_device() if any(d.startswith("cuda") for d in devices) else None
+    return [b if t.type == "cpu" else b.to(t) for b, t in zip(bufs, buffer_devices(devices, gpu))]
+
+
 def choose_path(meta: ObjectMeta) -> str:
     """For transport 'auto'.
 
     CPU objects: same node -> shm, group peer -> its backend, NIXL, else the object store.
+    Mixed CPU/GPU objects: the object store path (the producer's control server), which keeps each buffer's device.
     GPU objects: same node and the producer's GPU visible -> CUDA IPC, NIXL, a common nccl group, else the object
     store (through host memory).
     """
@@ -173,7 +188,9 @@ def choose_path(meta: ObjectMeta) -> str:
             return "nccl"
         return "object_store"
     cpu = all(b.device == "cpu" for b in meta.buffers)
-    if cpu and same_node:
+    if not cpu:  # CPU and GPU buffers: only the control server's stream carries each to its own device
+        return "object_store"
+    if same_node:
         return "shm"
     common = _common_group(meta, ("gloo", "nccl", "ucx"))
     if common is not None:
@@ -215,9 +232,7 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
         if path == "nixl":
             return _fetch_nixl(ctx, meta, timeout), "nixl"
         if path == "object_store" and meta.store_ref is not None:
-            bufs = _get(meta, [meta.store_ref], timeout)[0]
-            device = _consumer_device(meta)
-            return ([b.to(device) for b in bufs] if device.type != "cpu" else bufs), "object_store"
+            return _to_buffer_devices(meta, _get(meta, [meta.store_ref], timeout)[0]), "object_store"
         return _fetch_object_store(ctx, meta, timeout), "object_store"
     except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
         raise
@@ -466,5 +481,4 @@ def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torc
     except _control.ProtocolError as e:
         raise ObjectFetchError(f"fetching {meta.describe()} from its producer failed: {e}",
                                object_id=meta.id_hex) from e
-    device = _consumer_device(meta)  # GPU objects: onto this process's GPU if it has one, else stay on CPU
-    return [b.to(device) for b in bufs] if device.type != "cpu" else bufs
+    return _to_buffer_devices(meta, bufs)  # GPU buffers onto this process's GPU if it has one

@@ -26,7 +26,6 @@ def _meta(devices=MIXED, *, transport: str = "auto", nixl: bool = False, groups=
                       tuple(groups), None, store_ref=store_ref)
 
 
-@pytest.mark.xfail(strict=True, reason="one device for all buffers of a mixed value")
 def test_each_buffer_keeps_its_own_device_pure() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert _fetch.buffer_devices(["cuda:0", "cpu"], gpu) == [gpu, cpu]
@@ -35,7 +34,6 @@ def test_each_buffer_keeps_its_own_device_pure() -> None:
     assert _fetch.buffer_devices([], gpu) == []
 
 
-@pytest.mark.xfail(strict=True, reason="one device for all buffers of a mixed value")
 def test_mixed_object_store_value_keeps_each_buffers_device(ray_cluster, monkeypatch) -> None:
     """The real object-store path: the "cuda:0" buffer goes to this process's GPU (here: torch's meta device),
     the "cpu" buffer stays on the CPU."""
@@ -48,7 +46,6 @@ def test_mixed_object_store_value_keeps_each_buffers_device(ray_cluster, monkeyp
     assert int(bufs[1].sum()) == 7 * 64
 
 
-@pytest.mark.xfail(strict=True, reason="auto sends a mixed CPU/GPU object to a group path that fails in Gloo")
 def test_auto_never_picks_a_path_that_cannot_carry_every_buffer(monkeypatch) -> None:
     monkeypatch.setattr(_fetch, "_node_id", lambda: "node-A")
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
@@ -71,7 +68,6 @@ def test_transports_that_cannot_carry_a_mixed_value_refuse_at_return(transport: 
     _context._check_transport_devices(_mixed_flat(), "object_store")
 
 
-@pytest.mark.xfail(strict=True, reason="nixl takes the memory type of the first buffer of a mixed value")
 def test_nixl_refuses_a_mixed_value_at_return() -> None:
     with pytest.raises(UnsupportedError, match="one memory type"):
         _context._check_transport_devices(_mixed_flat(), "nixl")
