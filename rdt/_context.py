@@ -16,6 +16,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -370,7 +371,8 @@ class RdtContext:
         views = [memoryview(b.cpu().numpy()) for b in entry.buffers]
         self.stats.add("object_store", "out", entry.nbytes)
         header = struct.pack("!I", len(views)) + b"".join(struct.pack("!Q", v.nbytes) for v in views)
-        return _control.RESP_OK, header, _control.Stream(views, max(timeout_ms / 1000.0, 0.001))
+        deadline = time.monotonic() + min(max(timeout_ms / 1000.0, 0.001), MAX_STREAM_S)  # the consumer's deadline
+        return _control.RESP_OK, header, _control.Stream(views, deadline)
 
     def _serve_stats(self, _key_id: int, _payload: bytes) -> Any:
         return _control.RESP_OK, json.dumps(self.local_stats()).encode()
@@ -425,6 +427,7 @@ def _err(code: int, message: str) -> Any:
 
 
 KV_NAMESPACE = "rdt"
+MAX_STREAM_S = 3600.0  # cap on the time a consumer may ask the producer to keep streaming one object
 
 
 def stats_kv_key(actor_id: str) -> str:

@@ -162,12 +162,13 @@ class ControlServer:
     Idle connections cost a file descriptor, not a thread. At most ``max_conns`` connections are kept: a new one
     beyond that evicts the longest-idle connection not being answered (or is itself closed), counted in
     ``rejected``. A started frame must arrive whole within ``frame_timeout`` (slow peers are dropped and counted);
-    connections idle for ``idle_timeout`` are closed. Threads: the selector thread and at most ``workers``.
+    connections idle for ``idle_timeout`` are closed. Threads: the selector thread, at most ``workers`` answering
+    requests and at most ``streams`` sending objects' bytes (each until the consumer's own deadline).
     """
 
     def __init__(self, host: str, key_for: Callable[[int, bytes], Optional[bytes]],
                  handlers: Dict[int, Handler], *, max_conns: int = 256, idle_timeout: float = 60.0,
-                 frame_timeout: float = 5.0, workers: int = 8, send_timeout: float = 30.0) -> None:
+                 frame_timeout: float = 5.0, workers: int = 8, streams: int = 4, send_timeout: float = 30.0) -> None:
         self._key_for = key_for
         self._handlers = handlers
         self._replay = _ReplayGuard()
@@ -191,6 +192,7 @@ class ControlServer:
         self._wake_w.setblocking(False)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdt-control-worker")
+        self._streams = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="rdt-control-stream")
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -328,17 +330,41 @@ class ControlServer:
 
     # ---------------------------------------------------------------- worker threads
     def _answer(self, conn: _Conn, body: bytes) -> None:
-        """Verify, run the handler, send the answer; a bad frame closes the connection (counted)."""
-        keep = False
+        """Verify, run the handler, send the answer; a bad frame closes the connection (counted). Raw bytes that
+        follow the answer are sent from the stream pool, so slow readers never hold the request workers."""
         try:
-            keep = self._answer_frame(conn.sock, body)
+            follow = self._answer_frame(conn.sock, body)
         except ProtocolError as e:
             self._count_rejected()
             logger.debug("rdt control: dropped a connection: %s", e)
+            self._hand_back(conn, False)
+            return
         except (ConnectionError, OSError, struct.error):
-            pass
+            self._hand_back(conn, False)
+            return
         except Exception:  # noqa: BLE001 - never let a worker die on a bug
             logger.exception("rdt control: answering a request failed")
+            self._hand_back(conn, False)
+            return
+        if follow is None:
+            self._hand_back(conn, True)
+        else:
+            self._streams.submit(self._send_follow, conn, *follow)
+
+    def _send_follow(self, conn: _Conn, key: bytes, nonce: bytes, stream: "Stream") -> None:
+        keep = False
+        try:
+            send_stream(conn.sock, key, nonce, stream)
+            conn.sock.setblocking(False)
+            keep = True
+        except (ConnectionError, OSError) as e:  # the consumer gave up or died; it reports its own error
+            logger.debug("rdt control: streaming an object's bytes failed: %s", e)
+        except Exception:  # noqa: BLE001
+            logger.exception("rdt control: streaming an object's bytes failed")
+        self._hand_back(conn, keep)
+
+    def _hand_back(self, conn: _Conn, keep: bool) -> None:
+        """Return a connection to the selector thread (closed unless ``keep``)."""
         if not keep:
             conn.sock.close()
         self._returned.put(conn)
@@ -347,7 +373,8 @@ class ControlServer:
         except OSError:
             pass
 
-    def _answer_frame(self, sock: socket.socket, body: bytes) -> bool:
+    def _answer_frame(self, sock: socket.socket, body: bytes) -> Optional[Tuple[bytes, bytes, "Stream"]]:
+        """Answer one frame; (key, nonce, stream) when raw bytes must follow the answer."""
         msg_type, key_id, nonce, payload = decode(body, self._key_for)
         self._replay.check(nonce)
         handler = self._handlers.get(msg_type)
@@ -366,9 +393,9 @@ class ControlServer:
         sock.settimeout(self.send_timeout)
         sock.sendall(encode(resp_type, key_id, key, resp, nonce))
         if stream is not None:
-            send_stream(sock, key, nonce, stream)
+            return key, nonce, stream
         sock.setblocking(False)
-        return True
+        return None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the selector thread (bounded join), close every connection and the worker pool."""
@@ -384,6 +411,7 @@ class ControlServer:
         except OSError:
             pass
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._streams.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self._sel.close()
             for s in (self._wake_r, self._wake_w):
@@ -395,12 +423,12 @@ class Stream:
     """Raw bytes a handler sends after its answer frame (an object's buffers), and how long that may take."""
 
     buffers: Sequence[memoryview]
-    timeout: float
+    deadline: float  # time.monotonic() by which the bytes must be sent (the consumer's own deadline)
 
 
 def send_stream(sock: socket.socket, key: bytes, nonce: bytes, stream: Stream) -> None:
     """Send ``stream``'s bytes then HMAC(key, nonce | bytes), within the stream's timeout."""
-    deadline = time.monotonic() + stream.timeout
+    deadline = stream.deadline
     mac = hmac.new(key, nonce, hashlib.sha256)
     for buf in stream.buffers:
         view = memoryview(buf).cast("B")

@@ -266,3 +266,52 @@ def test_ray_deserialization_probe_still_tells_get_from_task_arguments(grouped) 
     got, arg = ray.get(grouped[2].__ray_call__.remote(_deserialization_kinds), timeout=60)
     assert got is True, "Ray's ray.get path changed: rdt can no longer tell ray.get from task arguments"
     assert arg is False, "Ray's task-argument path changed: rdt takes task arguments for ray.get"
+
+
+
+def test_streamed_bytes_arrive_whole_and_are_authenticated() -> None:
+    """A handler's raw bytes land in the caller's buffers; bytes changed on the wire fail the trailing MAC."""
+    data = [bytes(range(256)) * 4096, b"", b"tail" * 1000]
+
+    def serve(_k: int, _p: bytes) -> Tuple:
+        return _control.RESP_OK, b"hdr", _control.Stream([memoryview(d) for d in data], time.monotonic() + 10)
+
+    srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PREPARE_SHM: serve})
+    client = _control.ControlClient()
+    try:
+        dest = [bytearray(len(d)) for d in data]
+        resp = client.request(srv.address, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS, KEY, b"", 10.0,
+                              alloc=lambda t, h: [memoryview(b) for b in dest])
+        assert resp == (_control.RESP_OK, b"hdr") and [bytes(b) for b in dest] == data
+    finally:
+        client.close()
+        srv.close()
+    # a peer (or the wire) that changes one byte: a valid answer frame, the bytes, the MAC of other bytes
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def fake_server() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(10)
+            _, _, nonce, _ = _control.decode(_control.read_frame(conn), _key_for)
+            good = b"".join(data)
+            bad = bytearray(good)
+            bad[100] ^= 1
+            import hashlib
+            import hmac
+
+            conn.sendall(_control.encode(_control.RESP_OK, _control.KEY_PROCESS, KEY, b"hdr", nonce) + bytes(bad)
+                         + hmac.new(KEY, nonce + good, hashlib.sha256).digest())
+            conn.recv(1)
+
+    t = threading.Thread(target=fake_server, daemon=True)
+    t.start()
+    client = _control.ControlClient()
+    try:
+        with pytest.raises(_control.ProtocolError, match="bad MAC"):
+            client.request(f"127.0.0.1:{lsock.getsockname()[1]}", _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,
+                           KEY, b"", 10.0, alloc=lambda t, h: [memoryview(bytearray(len(d))) for d in data])
+    finally:
+        client.close()
+        t.join(10)
+        lsock.close()
