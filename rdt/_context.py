@@ -155,7 +155,8 @@ class RdtContext:
         except Exception:  # not an actor (driver, task)
             actor, actor_id = None, ""
         host = ray.util.get_node_ip_address()
-        group, process, stats = (_control.KEY_GROUP,), (_control.KEY_PROCESS,), (_control.KEY_PROCESS, _control.KEY_STATS)
+        group, process = (_control.KEY_GROUP,), (_control.KEY_PROCESS,)
+        stats = (_control.KEY_PROCESS, _control.KEY_STATS)
         self._server = _control.ControlServer(host, self._key_for, {
             _control.REQ_FETCH_GROUP: _keyed(group, self._serve_fetch_group),
             _control.REQ_PREPARE_SHM: _keyed(process, self._serve_prepare_shm),

@@ -3,7 +3,8 @@
 Paths: the producer itself (the very same tensors, no copy); bytes inlined in the metadata (small objects);
 shared memory (same node); the group's backend (Gloo/NCCL; the producer posts sends when asked over the control
 channel); NIXL READ; and the producer's bytes streamed over its control channel (the fallback for processes
-outside a group, e.g. the driver; the path keeps the name "object_store"). Within one task, the same object passed twice is fetched once.
+outside a group, e.g. the driver; the path keeps the name "object_store"). Within one task, the same object
+passed twice is fetched once.
 """
 
 from __future__ import annotations

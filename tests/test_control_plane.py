@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import ray
