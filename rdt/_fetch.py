@@ -479,7 +479,9 @@ def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torc
     try:
         _control_request(ctx, meta, _control.REQ_FETCH_BYTES, _control.KEY_PROCESS, meta.producer.process_key,
                          payload, timeout, alloc=into)
-    except _control.ProtocolError as e:
+    except _control.ProtocolError as e:  # a bad header or MAC, or the stream cut short
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
         raise ObjectFetchError(f"fetching {meta.describe()} from its producer failed: {e}",
                                object_id=meta.id_hex) from e
     return _to_buffer_devices(meta, bufs)  # GPU buffers onto this process's GPU if it has one
