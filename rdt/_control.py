@@ -203,20 +203,25 @@ class ControlServer:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, _ in self._sel.select(timeout=min(0.5, self.frame_timeout / 2)):
-                    if key.fileobj is self._sock:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._drain_wakeups()
-                    else:
-                        self._on_readable(key.data)
-                self._take_back()
-                self._expire(time.monotonic())
-        except Exception:  # noqa: BLE001 - never let the control thread die silently
-            logger.exception("rdt control: the server loop failed")
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - one bad event must not stop the server
+                    logger.exception("rdt control: the server loop failed; going on")
+                    self._stop.wait(0.05)
         finally:
             for c in list(self._conns.values()):
                 self._drop(c)
+
+    def _step(self) -> None:
+        for key, _ in self._sel.select(timeout=min(0.5, self.frame_timeout / 2)):
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                self._drain_wakeups()
+            else:
+                self._on_readable(key.data)
+        self._take_back()
+        self._expire(time.monotonic())
 
     def _accept(self) -> None:
         for _ in range(64):  # bounded per wakeup so reads are not starved by a connect flood
