@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import secrets
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -103,6 +105,8 @@ class RdtContext:
         self.config = RdtConfig.from_env()
         self.instance = secrets.token_bytes(8)
         self.process_key = secrets.token_bytes(32)
+        self.stats_key = secrets.token_bytes(32)
+        self._published: Optional[bytes] = None  # our GCS record of the control address, removed at exit
         self.metrics = get_transport_context().metrics
         self.table = ObjectTable(self._release)
         self.table.on_change = self.metrics.held
@@ -127,6 +131,7 @@ class RdtContext:
         # Before exit: stop every rdt thread, unlink our shm segments, deregister NIXL memory.
         _lifecycle.at_exit(self.shutdown)
         self._reaper = _lifecycle.spawn(self._reap_loop, "rdt-reaper")
+        self._publish()
 
     def _reap_loop(self, period: float = 30.0) -> None:
         """Unlink shm segments left by processes on this node that died (killed before they could clean up), and
@@ -161,16 +166,68 @@ class RdtContext:
         except Exception:  # not an actor (driver, task)
             actor, actor_id = None, ""
         host = ray.util.get_node_ip_address()
+        group, process = (_control.KEY_GROUP,), (_control.KEY_PROCESS,)
+        stats = (_control.KEY_PROCESS, _control.KEY_STATS)
         self._server = _control.ControlServer(host, self._key_for, {
-            _control.REQ_FETCH_GROUP: self._serve_fetch_group,
-            _control.REQ_PREPARE_SHM: self._serve_prepare_shm,
-            _control.REQ_PREPARE_NIXL: self._serve_prepare_nixl,
+            _control.REQ_FETCH_GROUP: _keyed(group, self._serve_fetch_group),
+            _control.REQ_PREPARE_SHM: _keyed(process, self._serve_prepare_shm),
+            _control.REQ_PREPARE_NIXL: _keyed(process, self._serve_prepare_nixl),
+            _control.REQ_FETCH_BYTES: _keyed(process, self._serve_fetch_bytes),
+            _control.REQ_STATS: _keyed(stats, self._serve_stats),
             _control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b""),
         })
         from . import _nixl_objects
 
         return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
                             self.process_key, actor, actor_id, _nixl_objects.available())
+
+    def _publish(self) -> None:
+        """In an actor: start the control server and publish its address and stats key in the GCS (namespace
+        "rdt", key ``stats:<actor id>``), so that ``rdt.stats(actor)`` never waits in the actor's queue."""
+        actor_id = _current_actor_id()
+        if actor_id is None:
+            return
+        try:
+            info = self.producer_info()
+            record = json.dumps({"address": info.control_address, "key": self.stats_key.hex(),
+                                 "pid": os.getpid()}).encode()
+            import ray.experimental.internal_kv as kv
+
+            kv._internal_kv_put(stats_kv_key(actor_id), record, True, namespace=KV_NAMESPACE)
+            self._published = record
+        except Exception:  # noqa: BLE001 - stats are best effort; objects still move
+            logger.warning("rdt: could not publish this actor's control address; rdt.stats(actor) will report "
+                           "nothing for it", exc_info=True)
+
+    def _unpublish(self) -> None:
+        """Remove our GCS record (at exit) if it is still ours (a restarted actor overwrote it otherwise)."""
+        record, self._published = self._published, None
+        actor_id = _current_actor_id()
+        if record is None or actor_id is None:
+            return
+        try:
+            import ray.experimental.internal_kv as kv
+
+            key = stats_kv_key(actor_id)
+            if kv._internal_kv_initialized() and kv._internal_kv_get(key, namespace=KV_NAMESPACE) == record:
+                kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the GCS may be gone at exit
+            pass
+
+    def local_stats(self) -> Dict[str, Any]:
+        """This process's rdt.stats()."""
+        return {
+            "objects": len(self.table),
+            "bytes": self.table.nbytes(),
+            "freed": self.table.freed,
+            "transfers": self.stats.snapshot(),
+            "shm_segments": len(set(_shm.segments_of(os.getpid())) - set(self.shm_pool.names())),
+            "shm_pool": {"segments": len(self.shm_pool.names()), "bytes": self.shm_pool.nbytes(),
+                         "hits": self.shm_pool.hits, "misses": self.shm_pool.misses},
+            "recv_pool": {"bytes": self.buffers.idle_bytes(), "hits": self.buffers.hits,
+                          "misses": self.buffers.misses},
+            "control_rejected": self._server.rejected if self._server is not None else 0,
+        }
 
     def _inline_producer(self, info: ProducerInfo) -> ProducerInfo:
         light = self._producer_light
@@ -273,6 +330,8 @@ class RdtContext:
     def _key_for(self, key_id: int, payload: bytes) -> Optional[bytes]:
         if key_id == _control.KEY_PROCESS:
             return self.process_key
+        if key_id == _control.KEY_STATS:
+            return self.stats_key
         if key_id == _control.KEY_GROUP and len(payload) >= 32:
             uid = payload[16:32].hex()
             for g in get_transport_context().groups():
@@ -309,6 +368,26 @@ class RdtContext:
         threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
                          name="rdt-send-wait", daemon=True).start()
         return _control.RESP_OK, b""
+
+    def _serve_fetch_bytes(self, _key_id: int, payload: bytes) -> Any:
+        """The object's bytes streamed on this connection (the fallback path: the driver, actors outside a group).
+
+        Runs on a control worker thread, never in the actor's queue. GPU buffers are copied to host memory here.
+        """
+        if len(payload) != 20:
+            return _err(_control.ERR_BAD_REQUEST, "malformed fetch request")
+        entry = self._lookup(payload)
+        if entry is None:
+            return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        (timeout_ms,) = struct.unpack_from("!I", payload, 16)
+        views = [memoryview(b.cpu().numpy()) for b in entry.buffers]
+        self.stats.add("object_store", "out", entry.nbytes)
+        header = struct.pack("!I", len(views)) + b"".join(struct.pack("!Q", v.nbytes) for v in views)
+        deadline = time.monotonic() + min(max(timeout_ms / 1000.0, 0.001), MAX_STREAM_S)  # the consumer's deadline
+        return _control.RESP_OK, header, _control.Stream(views, deadline)
+
+    def _serve_stats(self, _key_id: int, _payload: bytes) -> Any:
+        return _control.RESP_OK, json.dumps(self.local_stats()).encode()
 
     def _serve_prepare_shm(self, _key_id: int, payload: bytes) -> Any:
         entry = self._lookup(payload)
@@ -360,12 +439,42 @@ class RdtContext:
         self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)
+        self._unpublish()
         self.client.close()
         self._reaper.join(_lifecycle.JOIN_TIMEOUT_S)
 
 
 def _err(code: int, message: str) -> Any:
     return _control.RESP_ERR, struct.pack("!H", code) + message.encode()
+
+
+KV_NAMESPACE = "rdt"
+MAX_STREAM_S = 3600.0  # cap on the time a consumer may ask the producer to keep streaming one object
+
+
+def stats_kv_key(actor_id: str) -> str:
+    """The GCS key under which an actor's rdt process publishes its control address and stats key."""
+    return f"stats:{actor_id}"
+
+
+def _current_actor_id() -> Optional[str]:
+    """This process's actor id (hex), or None outside an actor (driver, task, no Ray)."""
+    try:
+        if ray._private.worker.global_worker.mode != ray.WORKER_MODE:
+            return None
+        return ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _keyed(key_ids: Tuple[int, ...], handler: Any) -> Any:
+    """``handler``, answering only requests signed with one of ``key_ids`` (a stats key cannot fetch objects)."""
+    def run(key_id: int, payload: bytes) -> Any:
+        if key_id not in key_ids:
+            return _err(_control.ERR_BAD_REQUEST, "this key does not authorize that request")
+        return handler(key_id, payload)
+
+    return run
 
 
 def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
@@ -421,6 +530,12 @@ def _check_transport_devices(flat: Any, transport: str) -> None:
         raise UnsupportedError(
             f"transport {transport!r} moves CPU tensors only, but the value holds {sorted(devices)} tensors",
             hint="use tensor_transport='nccl', 'cuda_ipc' or 'nixl' for GPU tensors, or move them with .cpu()",
+        )
+    if transport == "nixl" and len(devices) > 1:
+        raise UnsupportedError(
+            f"transport 'nixl' registers one memory type per object, but the value holds {sorted(devices)} tensors",
+            hint="use tensor_transport='auto' (a mixed value keeps each tensor's device) or return tensors of one "
+            "device",
         )
     if transport in gpu_only and devices - {"cuda"}:
         raise UnsupportedError(

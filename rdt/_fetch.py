@@ -2,19 +2,22 @@
 
 Paths: the producer itself (the very same tensors, no copy); bytes inlined in the metadata (small objects);
 shared memory (same node); the group's backend (Gloo/NCCL; the producer posts sends when asked over the control
-channel); NIXL READ; and Ray's object store through the producer actor (the fallback for processes outside a
-group, e.g. the driver). Within one task, the same object passed twice is fetched once.
+channel); NIXL READ; and the producer's bytes streamed over its control channel (the fallback for processes
+outside a group, e.g. the driver; the path keeps the name "object_store"). Within one task, the same object
+passed twice is fetched once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import sys
 import threading
 import time
 import weakref
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 import torch
@@ -100,6 +103,31 @@ def _in_actor() -> bool:
         return False
 
 
+def _called_by_ray_get() -> bool:
+    """Whether Ray is deserializing this value for ``ray.get`` (True) rather than for a task's arguments.
+
+    A private Ray detail, kept here alone: ``ray.get`` reaches ``Worker.deserialize_objects`` from
+    ``Worker.get_objects`` (both in ray/_private/worker.py); task arguments reach it from Ray's Cython task loop
+    (or the event loop, for async actors). ``await ref`` in an async actor arrives from Cython too and counts as
+    an argument. tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
+    fails when Ray changes this.
+    """
+    frame = sys._getframe(1)
+    for _ in range(64):  # bounded: the value is at most a few dozen frames below Ray's entry point
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "deserialize_objects" and code.co_filename.endswith(_RAY_WORKER_FILE):
+            caller = frame.f_back
+            return (caller is not None and caller.f_code.co_name == "get_objects"
+                    and caller.f_code.co_filename.endswith(_RAY_WORKER_FILE))
+        frame = frame.f_back
+    return False
+
+
+_RAY_WORKER_FILE = os.path.join("ray", "_private", "worker.py")
+
+
 def _node_id() -> str:
     try:
         return ray.get_runtime_context().get_node_id()
@@ -129,10 +157,25 @@ def _consumer_device(meta: ObjectMeta) -> torch.device:
     return torch.device("cpu")
 
 
+def buffer_devices(devices: Sequence[str], gpu: Optional[torch.device]) -> List[torch.device]:
+    """Where each received buffer goes, from the producer's device strings: CPU buffers stay on the CPU, GPU
+    buffers go to ``gpu`` (this process's CUDA device), or to the CPU when this process has none."""
+    cpu = torch.device("cpu")
+    return [gpu if d.startswith("cuda") and gpu is not None else cpu for d in devices]
+
+
+def _to_buffer_devices(meta: ObjectMeta, bufs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Move host buffers each to its own device (a mixed CPU/GPU value keeps both kinds)."""
+    devices = [b.device for b in meta.buffers]
+    gpu = _cuda_ipc.target_device() if any(d.startswith("cuda") for d in devices) else None
+    return [b if t.type == "cpu" else b.to(t) for b, t in zip(bufs, buffer_devices(devices, gpu))]
+
+
 def choose_path(meta: ObjectMeta) -> str:
     """For transport 'auto'.
 
     CPU objects: same node -> shm, group peer -> its backend, NIXL, else the object store.
+    Mixed CPU/GPU objects: the object store path (the producer's control server), which keeps each buffer's device.
     GPU objects: same node and the producer's GPU visible -> CUDA IPC, NIXL, a common nccl group, else the object
     store (through host memory).
     """
@@ -146,7 +189,9 @@ def choose_path(meta: ObjectMeta) -> str:
             return "nccl"
         return "object_store"
     cpu = all(b.device == "cpu" for b in meta.buffers)
-    if cpu and same_node:
+    if not cpu:  # CPU and GPU buffers: only the control server's stream carries each to its own device
+        return "object_store"
+    if same_node:
         return "shm"
     common = _common_group(meta, ("gloo", "nccl", "ucx"))
     if common is not None:
@@ -175,7 +220,7 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
         if path in ("gloo", "nccl", "ucx"):
             common = _common_group(meta, (path,))
             if common is None:
-                if _in_actor():
+                if _in_actor() and not _called_by_ray_get():
                     raise NoCollectiveGroupError(
                         f"{meta.describe()} uses transport {path!r} but this actor shares no healthy {path} group "
                         f"with its producer (actor {meta.producer.actor_id[:12]})",
@@ -188,9 +233,7 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta) -> Tuple[List[torch.Tensor], str]:
         if path == "nixl":
             return _fetch_nixl(ctx, meta, timeout), "nixl"
         if path == "object_store" and meta.store_ref is not None:
-            bufs = _get(meta, [meta.store_ref], timeout)[0]
-            device = _consumer_device(meta)
-            return ([b.to(device) for b in bufs] if device.type != "cpu" else bufs), "object_store"
+            return _to_buffer_devices(meta, _get(meta, [meta.store_ref], timeout)[0]), "object_store"
         return _fetch_object_store(ctx, meta, timeout), "object_store"
     except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
         raise
@@ -258,9 +301,10 @@ def _died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:
 
 
 def _control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: bytes, payload: bytes,
-                     timeout: float) -> bytes:
+                     timeout: float, alloc: Optional[_control.Alloc] = None) -> bytes:
     try:
-        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout)
+        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout,
+                                             alloc)
     except (ConnectionError, OSError) as e:
         if isinstance(e, TimeoutError):
             raise
@@ -404,18 +448,6 @@ def _fetch_nixl(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor
         raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
 
 
-def _serve_buffers(_actor: Any, obj_id: bytes) -> List[torch.Tensor]:
-    """Runs in the producer (via __ray_call__): the object's buffers, for the object-store path."""
-    from ._context import get_context
-
-    ctx = get_context()
-    entry = ctx.table.get(obj_id)
-    if entry is None:
-        raise ObjectFreedError("the object was freed in its producer", object_id=obj_id.hex())
-    ctx.stats.add("object_store", "out", entry.nbytes)
-    return [b.cpu() for b in entry.buffers]
-
-
 def _get(meta: ObjectMeta, refs: List[Any], timeout: float) -> List[Any]:
     try:
         return ray.get(refs, timeout=timeout)
@@ -426,20 +458,30 @@ def _get(meta: ObjectMeta, refs: List[Any], timeout: float) -> List[Any]:
 
 
 def _fetch_object_store(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
-    actor = meta.producer.actor
-    if actor is None:
-        raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served through Ray",
+    """The fallback path (the driver, tasks, actors outside a group): the producer's control server streams the
+    bytes (REQ_FETCH_BYTES), answered on its control thread, never in the actor's queue."""
+    if meta.producer.actor is None:  # a task's worker may exit or be reused at any time
+        raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served to this process",
                                object_id=meta.id_hex, hint="produce objects inside actors")
+    bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+    sizes = [b.nbytes for b in meta.buffers]
+
+    def into(resp_type: int, header: bytes) -> Optional[List[memoryview]]:
+        if resp_type != _control.RESP_OK:
+            return None
+        n = struct.unpack_from("!I", header)[0] if len(header) >= 4 else -1
+        got = list(struct.unpack_from(f"!{n}Q", header, 4)) if len(header) == 4 + 8 * max(n, 0) else None
+        if got != sizes:
+            raise _control.ProtocolError(f"the producer announced buffers of {got} bytes, the object has {sizes}")
+        return [memoryview(b.numpy()) for b in bufs]
+
+    payload = meta.obj_id + struct.pack("!I", min(int(timeout * 1000), 0xFFFFFFFF))
     try:
-        bufs = _get(meta, [actor.__ray_call__.remote(_serve_buffers, meta.obj_id)], timeout)[0]
-    except ray.exceptions.RayTaskError as e:
-        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-        if isinstance(cause, ObjectFreedError) or "ObjectFreedError" in str(e):
-            raise ObjectFreedError(f"{meta.describe()} was freed before it was fetched",
-                                   object_id=meta.id_hex,
-                                   hint="keep a reference to the ObjectRef until every consumer has run") from e
-        raise ObjectFetchError(f"fetching {meta.describe()} through the object store failed: {e}",
+        _control_request(ctx, meta, _control.REQ_FETCH_BYTES, _control.KEY_PROCESS, meta.producer.process_key,
+                         payload, timeout, alloc=into)
+    except _control.ProtocolError as e:  # a bad header or MAC, or the stream cut short
+        if not _producer_alive(ctx, meta):
+            raise _died(meta, e) from e
+        raise ObjectFetchError(f"fetching {meta.describe()} from its producer failed: {e}",
                                object_id=meta.id_hex) from e
-    bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
-    device = _consumer_device(meta)  # GPU objects: onto this process's GPU if it has one, else stay on CPU
-    return [b.to(device) for b in bufs] if device.type != "cpu" else bufs
+    return _to_buffer_devices(meta, bufs)  # GPU buffers onto this process's GPU if it has one
