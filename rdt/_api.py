@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence
 import rdt_transports
 from rdt_transports import GroupHandle
 
-from .errors import InvalidArgumentError
+from .errors import CollectiveTimeoutError, InvalidArgumentError, PeerUnavailableError
 
 
 def create_collective_group(actors: Sequence[Any], backend: str = "gloo", name: Optional[str] = None, *,
@@ -28,27 +28,25 @@ def destroy_collective_group(group: GroupHandle, *, timeout: float = rdt_transpo
 
 
 def _local_stats(_actor: Any = None) -> Dict[str, Any]:
-    from . import _shm
     from ._context import get_context
-    import os
 
-    ctx = get_context()
-    return {
-        "objects": len(ctx.table),
-        "bytes": ctx.table.nbytes(),
-        "freed": ctx.table.freed,
-        "transfers": ctx.stats.snapshot(),
-        "paths": ctx.stats.paths_snapshot(),  # fetches into this process, by the path that served them
-        "shm_segments": len(set(_shm.segments_of(os.getpid())) - set(ctx.shm_pool.names())),
-        "shm_pool": {"segments": len(ctx.shm_pool.names()), "bytes": ctx.shm_pool.nbytes(),
-                     "hits": ctx.shm_pool.hits, "misses": ctx.shm_pool.misses},
-        "recv_pool": {"bytes": ctx.buffers.idle_bytes(), "hits": ctx.buffers.hits, "misses": ctx.buffers.misses},
-        "control_rejected": ctx._server.rejected if ctx._server is not None else 0,
-    }
+    return get_context().local_stats()
+
+
+def _empty_stats() -> Dict[str, Any]:
+    """What a process that never loaded rdt holds: nothing."""
+    return {"objects": 0, "bytes": 0, "freed": 0, "transfers": {}, "paths": {}, "shm_segments": 0,
+            "shm_pool": {"segments": 0, "bytes": 0, "hits": 0, "misses": 0},
+            "recv_pool": {"bytes": 0, "hits": 0, "misses": 0}, "control_rejected": 0}
 
 
 def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
-    """Objects and bytes held, objects freed, transfers in/out per transport: of ``actor``, or of this process."""
+    """Objects and bytes held, objects freed, transfers in/out per transport: of ``actor``, or of this process.
+
+    ``actor``'s numbers come from its rdt control server (its address and a stats-only key are in the GCS), so
+    this never waits for the actor's running method. An actor that never loaded rdt has published nothing and
+    has nothing to report: its stats are all zero, and it is not called.
+    """
     if actor is None:
         return _local_stats()
     import ray
@@ -56,7 +54,58 @@ def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
     if not isinstance(actor, ray.actor.ActorHandle):
         raise InvalidArgumentError(f"stats() takes an actor handle or None, got {type(actor).__name__}",
                                    hint="pass a handle returned by Cls.remote(), or nothing for this process")
-    return ray.get(actor.__ray_call__.remote(_local_stats), timeout=timeout)
+    return _remote_stats(actor._actor_id.hex(), timeout)
+
+
+def _raise_if_dead(actor_id: str) -> None:
+    """Ray's ActorDiedError when the GCS says the actor is dead (what an actor call would have raised)."""
+    import ray
+
+    try:
+        state = ray._private.state.actors(actor_id=actor_id).get("State")
+    except Exception:  # noqa: BLE001 - unknown: not proof of death
+        return
+    if state == "DEAD":
+        raise ray.exceptions.ActorDiedError()
+
+
+def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
+    """Ask the actor's control server for its stats (REQ_STATS, signed with its published stats key)."""
+    import json
+
+    import ray.experimental.internal_kv as kv
+
+    from . import _control
+    from ._context import KV_NAMESPACE, get_context, stats_kv_key
+
+    raw = kv._internal_kv_get(stats_kv_key(actor_id), namespace=KV_NAMESPACE)
+    if raw is None:
+        _raise_if_dead(actor_id)
+        return _empty_stats()
+    try:
+        record = json.loads(raw)
+        address, key = str(record["address"]), bytes.fromhex(record["key"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise PeerUnavailableError(f"actor {actor_id[:12]}'s published control record is malformed: {e}",
+                                   hint="restart the actor (it publishes a fresh record when it loads rdt)") from e
+    try:
+        resp_type, body = get_context().client.request(address, _control.REQ_STATS, _control.KEY_STATS, key, b"",
+                                                       timeout)
+    except ConnectionRefusedError as e:
+        if kv._internal_kv_get(stats_kv_key(actor_id), namespace=KV_NAMESPACE) == raw:
+            kv._internal_kv_del(stats_kv_key(actor_id), namespace=KV_NAMESPACE)  # a dead process's record
+        _raise_if_dead(actor_id)
+        raise PeerUnavailableError(f"actor {actor_id[:12]} (rdt control server {address}) is gone: {e}",
+                                   hint="the actor died; restart it") from e
+    except TimeoutError as e:
+        raise CollectiveTimeoutError(f"actor {actor_id[:12]} did not report its stats within {timeout:.1f}s",
+                                     op="stats", hint="the actor's process may be stuck; raise timeout=") from e
+    except (OSError, _control.ProtocolError) as e:
+        raise PeerUnavailableError(f"asking actor {actor_id[:12]} for its stats failed: {e}", op="stats") from e
+    if resp_type != _control.RESP_OK:
+        raise PeerUnavailableError(f"actor {actor_id[:12]} refused its stats: {body[2:].decode(errors='replace')}",
+                                   op="stats")
+    return json.loads(body.decode())
 
 
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,

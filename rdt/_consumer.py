@@ -22,7 +22,7 @@ from . import _cuda_ipc, transports
 from ._flatten import leaf_from_buffer, unflatten
 from ._meta import ObjectMeta
 from ._peer import died, freed, producer_alive
-from ._runtime import in_actor, node_id, task_id
+from ._runtime import called_by_ray_get, in_actor, node_id, task_id
 from .errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
 from .transports import Fetched, SetupFailed, Site, Transport
 
@@ -62,7 +62,7 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     return unflatten(meta.skeleton, leaves)
 
 
-def site_for(meta: ObjectMeta, *, task_argument: bool = True) -> Site:
+def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None) -> Site:
     """Where this process stands relative to ``meta``'s producer."""
     groups: Dict[str, Tuple[Any, Any]] = {}
     mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
@@ -71,7 +71,10 @@ def site_for(meta: ObjectMeta, *, task_argument: bool = True) -> Site:
         if g is not None and g.state.value == "healthy":
             groups.setdefault(ref.backend, (g, ref))
     cuda = _cuda_ipc.target_device() if any(b.device.startswith("cuda") for b in meta.buffers) else None
-    return Site(same_node=meta.producer.node_id == node_id(), in_actor=in_actor(), task_argument=task_argument,
+    actor = in_actor()
+    if task_argument is None:
+        task_argument = actor and not called_by_ray_get()
+    return Site(same_node=meta.producer.node_id == node_id(), in_actor=actor, task_argument=task_argument,
                 groups=groups, cuda_device=cuda)
 
 

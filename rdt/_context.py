@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 
@@ -26,6 +28,8 @@ from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
 from ._meta import GroupRef, ObjectMeta, ProducerInfo
+from ._peer import err
+from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
 from ._table import Entry, ObjectTable
 
 logger = logging.getLogger("rdt")
@@ -107,6 +111,8 @@ class RdtContext:
         self.config = RdtConfig.from_env()
         self.instance = secrets.token_bytes(8)
         self.process_key = secrets.token_bytes(32)
+        self.stats_key = secrets.token_bytes(32)
+        self._published: Optional[bytes] = None  # our GCS record of the control address, removed at exit
         self.metrics = get_transport_context().metrics
         self.table = ObjectTable(self._release)
         self.table.on_change = self.metrics.held
@@ -131,6 +137,7 @@ class RdtContext:
         # Before exit: stop every rdt thread, unlink our shm segments, deregister NIXL memory.
         _lifecycle.at_exit(self.shutdown)
         self._reaper = _lifecycle.spawn(self._reap_loop, "rdt-reaper")
+        self._publish()
 
     def _reap_loop(self, period: float = 30.0) -> None:
         """Unlink shm segments left by processes on this node that died (killed before they could clean up), and
@@ -171,13 +178,67 @@ class RdtContext:
         return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
                             self.process_key, actor, actor_id, _nixl_objects.available())
 
+    def _publish(self) -> None:
+        """In an actor: start the control server and publish its address and stats key in the GCS (namespace
+        "rdt", key ``stats:<actor id>``), so that ``rdt.stats(actor)`` never waits in the actor's queue."""
+        actor_id = _current_actor_id()
+        if actor_id is None:
+            return
+        try:
+            info = self.producer_info()
+            record = json.dumps({"address": info.control_address, "key": self.stats_key.hex(),
+                                 "pid": os.getpid()}).encode()
+            import ray.experimental.internal_kv as kv
+
+            kv._internal_kv_put(stats_kv_key(actor_id), record, True, namespace=KV_NAMESPACE)
+            self._published = record
+        except Exception:  # noqa: BLE001 - stats are best effort; objects still move
+            logger.warning("rdt: could not publish this actor's control address; rdt.stats(actor) will report "
+                           "nothing for it", exc_info=True)
+
+    def _unpublish(self) -> None:
+        """Remove our GCS record (at exit) if it is still ours (a restarted actor overwrote it otherwise)."""
+        record, self._published = self._published, None
+        actor_id = _current_actor_id()
+        if record is None or actor_id is None:
+            return
+        try:
+            import ray.experimental.internal_kv as kv
+
+            key = stats_kv_key(actor_id)
+            if kv._internal_kv_initialized() and kv._internal_kv_get(key, namespace=KV_NAMESPACE) == record:
+                kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the GCS may be gone at exit
+            pass
+
+    def local_stats(self) -> Dict[str, Any]:
+        """This process's rdt.stats()."""
+        return {
+            "objects": len(self.table),
+            "bytes": self.table.nbytes(),
+            "freed": self.table.freed,
+            "transfers": self.stats.snapshot(),
+            "paths": self.stats.paths_snapshot(),  # fetches into this process, by the path that served them
+            "shm_segments": len(set(_shm.segments_of(os.getpid())) - set(self.shm_pool.names())),
+            "shm_pool": {"segments": len(self.shm_pool.names()), "bytes": self.shm_pool.nbytes(),
+                         "hits": self.shm_pool.hits, "misses": self.shm_pool.misses},
+            "recv_pool": {"bytes": self.buffers.idle_bytes(), "hits": self.buffers.hits,
+                          "misses": self.buffers.misses},
+            "control_rejected": self._server.rejected if self._server is not None else 0,
+        }
+
     def control_handlers(self) -> Dict[int, Any]:
-        """What this process's control server answers: a ping, and every transport's own requests."""
-        handlers: Dict[int, Any] = {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")}
+        """What this process's control server answers: a ping, its stats (to the stats key), and every
+        transport's own requests, each only when signed with a key that transport accepts for it."""
+        handlers: Dict[int, Any] = {
+            _control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b""),
+            _control.REQ_STATS: _keyed((_control.KEY_PROCESS, _control.KEY_STATS),
+                                       lambda _k, _p: (_control.RESP_OK, json.dumps(self.local_stats()).encode())),
+        }
         for name in transports.names():
             if name != "auto":
-                for msg, handler in transports.get(name).handlers().items():
-                    handlers[msg] = lambda k, p, h=handler: h(self, k, p)
+                for msg, (handler, keys) in transports.get(name).handlers().items():
+                    handlers[msg] = _keyed(keys, lambda k, p, h=handler: h(self, k, p))
         return handlers
 
     def inline_producer(self, info: ProducerInfo) -> ProducerInfo:
@@ -241,6 +302,8 @@ class RdtContext:
     def _key_for(self, key_id: int, payload: bytes) -> Optional[bytes]:
         if key_id == _control.KEY_PROCESS:
             return self.process_key
+        if key_id == _control.KEY_STATS:
+            return self.stats_key
         if key_id == _control.KEY_GROUP and len(payload) >= 32:
             uid = payload[16:32].hex()
             for g in get_transport_context().groups():
@@ -269,8 +332,37 @@ class RdtContext:
         self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)
+        self._unpublish()
         self.client.close()
         self._reaper.join(_lifecycle.JOIN_TIMEOUT_S)
+
+
+KV_NAMESPACE = "rdt"
+
+
+def stats_kv_key(actor_id: str) -> str:
+    """The GCS key under which an actor's rdt process publishes its control address and stats key."""
+    return f"stats:{actor_id}"
+
+
+def _current_actor_id() -> Optional[str]:
+    """This process's actor id (hex), or None outside an actor (driver, task, no Ray)."""
+    try:
+        if worker_mode() != ray.WORKER_MODE:
+            return None
+        return ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _keyed(key_ids: Tuple[int, ...], handler: Any) -> Any:
+    """``handler``, answering only requests signed with one of ``key_ids`` (a stats key cannot fetch objects)."""
+    def run(key_id: int, payload: bytes) -> Any:
+        if key_id not in key_ids:
+            return err(_control.ERR_BAD_REQUEST, "this key does not authorize that request")
+        return handler(key_id, payload)
+
+    return run
 
 
 _context: Optional[RdtContext] = None

@@ -6,7 +6,7 @@ Shared by the consumer core and the transports (below both; imports neither).
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Optional
 
 from . import _control, _shm
 from ._meta import ObjectMeta
@@ -52,10 +52,14 @@ def freed(meta: ObjectMeta, detail: str = "was freed before it was fetched") -> 
 
 
 def control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: bytes, payload: bytes,
-                    timeout: float) -> bytes:
-    """One authenticated request to the producer's control server; typed errors for death, refusal and freeing."""
+                    timeout: float, alloc: Optional[_control.Alloc] = None) -> bytes:
+    """One authenticated request to the producer's control server; typed errors for death, refusal and freeing.
+
+    ``alloc`` receives a streamed answer's header and returns the buffers its raw bytes land in.
+    """
     try:
-        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout)
+        resp_type, resp = ctx.client.request(meta.producer.control_address, msg, key_id, key, payload, timeout,
+                                             alloc)
     except (ConnectionError, OSError) as e:
         if isinstance(e, TimeoutError):
             raise

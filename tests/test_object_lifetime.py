@@ -43,6 +43,7 @@ def test_table_drains_when_refs_die(trio, transport):
     refs = [getattr(p, f"make_{transport}").remote(N, float(i)) for i in range(20)]
     assert ray.get([c1.total.remote(r) for r in refs[:10]]) == [float(i) * N for i in range(10)]
     assert ray.get(c2.total.remote(refs[15])) == 15.0 * N
+    assert len(ray.wait(refs, num_returns=len(refs), timeout=60)[0]) == len(refs)  # stats do not queue behind them
     assert _objects(p) == 20
     del refs
     assert wait_for(lambda: _drained(p), timeout=30), rdt.stats(p)

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .._meta import ObjectMeta
     from .._table import Entry
 
-Handler = Callable[[Any, int, bytes], Tuple[int, bytes]]  # (ctx, key id, payload) -> (response type, payload)
+Handler = Callable[[Any, int, bytes], Tuple[Any, ...]]  # (ctx, key id, payload) -> (response type, payload[, stream])
+Served = Tuple[Handler, Tuple[int, ...]]  # a handler and the control keys (_control.KEY_*) allowed to call it
 
 
 class SetupFailed(Exception):
@@ -116,8 +117,9 @@ class Transport(abc.ABC):
     def fetch(self, ctx: Any, meta: "ObjectMeta", site: Site, deadline: float) -> Fetched:
         """Consumer: the object's buffers in this process; typed rdt errors, TimeoutError or SetupFailed."""
 
-    def handlers(self) -> Dict[int, Handler]:
-        """Producer: control requests this transport serves (message type -> handler), on the control thread."""
+    def handlers(self) -> Dict[int, Served]:
+        """Producer: control requests this transport serves (message type -> (handler, allowed key ids)), answered
+        on the control server's threads; a request signed with another key is refused before the handler runs."""
         return {}
 
     def release(self, ctx: Any, entry: "Entry") -> None:

@@ -26,7 +26,7 @@ from .. import _control
 from .._meta import GroupRef, ObjectMeta
 from .._peer import control_request, died, err, producer_alive
 from ..errors import NoCollectiveGroupError, ObjectFetchError
-from .base import Capabilities, Fetched, Handler, Site, Transport, Unusable
+from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
 
 logger = logging.getLogger("rdt")
 
@@ -48,8 +48,8 @@ class _GroupTransport(Transport):
         if self.name in site.groups:
             return None
         reason = f"this process shares no healthy {self.name} group with the producer"
-        if not site.in_actor:
-            return Unusable(reason)  # the driver or a task: falls back to the object store
+        if not site.task_argument:
+            return Unusable(reason)  # the driver, a task, or a ray.get: falls back to the producer's stream
         return Unusable(reason, NoCollectiveGroupError(
             f"{meta.describe()} uses transport {self.name!r} but this actor shares no healthy {self.name} group "
             f"with its producer (actor {meta.producer.actor_id[:12]})",
@@ -62,8 +62,8 @@ class _GroupTransport(Transport):
         group, ref = site.groups[self.name]
         return Fetched(_fetch_group(ctx, meta, group, ref, site, deadline), self.name)
 
-    def handlers(self) -> Dict[int, Handler]:
-        return {_control.REQ_FETCH_GROUP: _serve_fetch_group}
+    def handlers(self) -> Dict[int, Served]:
+        return {_control.REQ_FETCH_GROUP: (_serve_fetch_group, (_control.KEY_GROUP,))}
 
 
 class GlooTransport(_GroupTransport):

@@ -15,7 +15,7 @@ from .. import _control, _nixl_objects
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, producer_alive
 from ..errors import ObjectFetchError
-from .base import Capabilities, Fetched, Handler, Site, Transport, Unusable
+from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
 
 
 class NixlTransport(Transport):
@@ -53,8 +53,8 @@ class NixlTransport(Transport):
                 raise died(meta, e) from e
             raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
 
-    def handlers(self) -> Dict[int, Handler]:
-        return {_control.REQ_PREPARE_NIXL: _serve_prepare}
+    def handlers(self) -> Dict[int, Served]:
+        return {_control.REQ_PREPARE_NIXL: (_serve_prepare, (_control.KEY_PROCESS,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
         _nixl_objects.release(ctx, entry)

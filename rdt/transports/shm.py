@@ -19,7 +19,7 @@ import torch
 from .. import _cma, _control, _shm
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
-from .base import Capabilities, Fetched, Handler, Site, Transport
+from .base import Capabilities, Fetched, Served, Site, Transport
 
 logger = logging.getLogger("rdt")
 
@@ -71,8 +71,8 @@ class ShmTransport(Transport):
             raise died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
         return Fetched(_map(ctx, meta, seg.name, seg.layout), "shm-segment")
 
-    def handlers(self) -> Dict[int, Handler]:
-        return {_control.REQ_PREPARE_SHM: _serve_prepare}
+    def handlers(self) -> Dict[int, Served]:
+        return {_control.REQ_PREPARE_SHM: (_serve_prepare, (_control.KEY_PROCESS,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
         guard = entry.exports.pop("cma_guard", None)

@@ -112,7 +112,11 @@ class _GlooWork(Work):
         # CollectiveTimeoutError also is, so an except clause could not tell them apart.
         while not futures_wait([future], timeout=0.05).done:
             self._check_abort()
-        return future.result()
+        try:
+            return future.result()
+        except Exception:
+            self._check_abort()  # the abort closed the pairs: report the abort, not the closed connection
+            raise
 
 
 class _GlooNative(NativeCollectives):
