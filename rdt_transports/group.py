@@ -149,11 +149,28 @@ class CollectiveGroup:
         return dead
 
     def _mark_errored(self, err: BaseException) -> None:
+        """Leave HEALTHY for good; after a timeout also abort this rank's side of the backend.
+
+        A timed-out op may still be half posted at a peer (Gloo closes the pairs itself); aborting closes this
+        rank's connections and fails its shared-memory barrier, so every peer's pending and next call fails fast
+        instead of waiting for its own timeout, with no GCS read per call.
+        """
         with self._lock:
-            if self._state is GroupState.HEALTHY:
+            first = self._state is GroupState.HEALTHY
+            if first:
                 self._state = GroupState.ERRORED
                 self._error = err
         self.stats["errors"] += 1
+        if first and isinstance(err, TimeoutError):
+            try:
+                self.backend.abort()
+            except Exception as e:  # noqa: BLE001 - abort is best effort; the group is errored either way
+                logger.warning("rdt_transports: group=%s rank=%d: abort after a timeout failed: %s", self.name,
+                               self.rank, e)
+
+    def fail(self, err: BaseException) -> None:
+        """Mark the group ERRORED because of ``err`` from work done outside its own calls (e.g. an object send)."""
+        self._mark_errored(err)
 
     def _check_usable(self, op: str) -> None:
         state = self._state

@@ -257,16 +257,30 @@ class GlooBackend(Backend):
         return ShmAllreduce(config.group_uid, config.rank, pids, config.secret, barrier)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self.pg.send([tensor], peer, tag), "send", peer, self._aborted, self._waiters, spin=False)
+        return self._p2p("send", self.pg.send, tensor, peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self.pg.recv([tensor], peer, tag), "recv", peer, self._aborted, self._waiters, spin=False)
+        return self._p2p("recv", self.pg.recv, tensor, peer, tag)
+
+    def _p2p(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        """Post a send/recv; a pair already closed (peer gone, group aborted) raises a typed error at once."""
+        if self._aborted.is_set():
+            raise GroupDestroyedError(f"{op} refused: the group was aborted", peer=peer, op=op,
+                                      hint="destroy the group and create it again")
+        try:
+            work = post([tensor], peer, tag)
+        except RuntimeError as e:
+            raise classify(e, op=op, peer=peer, timeout=self.config.timeout) from e
+        return _GlooWork(work, op, peer, self._aborted, self._waiters, spin=False)
 
     def native(self) -> Optional[NativeCollectives]:
         return self._native
 
     def abort(self) -> None:
+        """Fail local waits, tell same-node peers through the shared-memory barrier, and close Gloo's pairs."""
         self._aborted.set()
+        if self._native.shm is not None:
+            self._native.shm.fail()
         try:
             self.pg.abort()
         except Exception:  # abort is best effort by contract
