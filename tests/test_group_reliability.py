@@ -211,39 +211,82 @@ def stop_thread_sampler() -> Dict[str, int]:
     return dict(_sampler["peak"])
 
 
-def fetch_repeatedly(refs: List[Any], n: int) -> int:
-    """(consumer side) fetch ``refs`` round robin ``n`` times (each ray.get deserializes, so each is a fetch)."""
-    done = 0
+def produce_states(seeds: List[int], nbytes: int) -> List[Dict[str, Any]]:
+    """(producer side) make one "gloo" object per seed; return each metadata's fields (a plain dict, so it
+    crosses Ray without being fetched on the way)."""
+    from rdt._context import get_context
+
+    ctx = get_context()
+    return [dict(ctx.produce({"t": fa.pattern(s, nbytes), "seed": s}, "gloo").__dict__) for s in seeds]
+
+
+def _fetch_state(state: Dict[str, Any]) -> str:
+    """(consumer side) fetch one object by its metadata with rdt's own fetch code; the checksum of what came."""
+    from rdt import _fetch
+    from rdt._context import get_context
+    from rdt._meta import ObjectMeta
+
+    meta = ObjectMeta.__new__(ObjectMeta)
+    object.__setattr__(meta, "__dict__", dict(state))
+    bufs, path = _fetch.fetch_buffers(get_context(), meta)
+    assert path == "gloo", path
+    return fa.checksum(bufs[0])
+
+
+def fetch_concurrently_with_allreduce(states: List[Dict[str, Any]], name: str, after: float,
+                                      timeout: float) -> Tuple[Any, List[Any]]:
+    """(consumer side) fetch every object at once from its own thread (Ray's ray.get would fetch them one at a
+    time), and ``after`` seconds later join an allreduce; (allreduce error or value, checksums or errors)."""
+    results: List[Any] = [None] * len(states)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = _fetch_state(states[i])
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results[i] = fa.Caught(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"test-fetch-{i}") for i in range(len(states))]
+    for t in threads:
+        t.start()
+    time.sleep(after)
+    try:
+        reduced: Any = timed_allreduce(name, timeout, "ring")
+    except Exception as e:  # noqa: BLE001
+        reduced = fa.Caught(e)
+    for t in threads:
+        t.join(timeout=120)
+    return reduced, results
+
+
+def fetch_repeatedly(states: List[Dict[str, Any]], n: int) -> int:
+    """(consumer side) fetch the objects round robin ``n`` times, one after another."""
     for i in range(n):
-        value = ray.get(refs[i % len(refs)], timeout=60)
-        assert value["t"].numel() > 0
-        done += 1
-    return done
+        _fetch_state(states[i % len(states)])
+    return n
 
 
 @pytest.mark.xfail(strict=True, reason="object sends share Gloo's 16-thread waiter pool with collectives and each "
                    "fetch starts its own rdt-send-wait thread")
 def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
-    """24 consumers slow to post their receives hold object sends open; an allreduce on the same group must still
+    """24 fetches slow to post their receives hold object sends open; an allreduce on the same group must still
     finish, the producer's send waiters stay bounded, and every object arrives intact afterwards."""
-    p, c = _peers(2, max_concurrency=32)
+    p, c = _peers(2)
     name = "rel-starve"
-    n = 24
+    n, nbytes = 24, 256 << 10
     handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
     try:
-        refs = [p.make_gloo.remote(100 + i, 256 << 10) for i in range(n)]
-        ray.wait(refs, num_returns=n, timeout=60)
+        err, states, _ = _call(p, produce_states, list(range(100, 100 + n)), nbytes)
+        assert err is None, err
         assert _call(p, delay_fetch_responses, 6.0, n)[0] is None
         assert _call(p, start_thread_sampler, "rdt-send-wait", 60.0)[0] is None
-        fetches = [c.try_digest.remote([r], 60) for r in refs]
+        consumer = c.call.remote(fetch_concurrently_with_allreduce, states, name, 2.0, 4.0)
         time.sleep(2.0)  # every fetch's sends are posted; no receive is
-        out = ray.get([a.call.remote(timed_allreduce, name, 4.0, "ring") for a in (p, c)], timeout=60)
-        for err, value, seconds in out:
-            assert err is None, f"the allreduce starved behind {n} slow object sends: {err!r}"
-            assert value == 2.0
-        for i, (status, value, _) in enumerate(ray.get(fetches, timeout=90)):
-            assert status == "ok", value
-            assert value == (100 + i, fa.expected_checksum(100 + i, 256 << 10))
+        err, value, _ = _call(p, timed_allreduce, name, 4.0, "ring")
+        assert err is None, f"the producer's allreduce starved behind {n} slow object sends: {err!r}"
+        err, (reduced, checksums), _ = ray.get(consumer, timeout=120)
+        assert err is None, err
+        assert value == 2.0 and reduced == 2.0, (value, reduced)
+        assert checksums == [fa.expected_checksum(100 + i, nbytes) for i in range(n)]
         err, peak, _ = _call(p, stop_thread_sampler)
         assert err is None
         assert peak["named"] <= SEND_WAIT_BOUND, f"{peak['named']} send-wait threads for {n} fetches"
@@ -251,7 +294,7 @@ def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
         # thousands of fetches: the producer's thread count stays bounded
         base = _call(p, threading.active_count)[1]
         assert _call(p, start_thread_sampler, "rdt-", 120.0)[0] is None
-        err, done, _ = _call(c, fetch_repeatedly, refs[:4], 2000, timeout=300)
+        err, done, _ = _call(c, fetch_repeatedly, states[:4], 2000, timeout=300)
         assert err is None and done == 2000, err
         peak = _call(p, stop_thread_sampler)[1]
         assert peak["all"] <= base + SEND_WAIT_BOUND + 8, f"{peak['all']} threads (from {base})"
