@@ -294,13 +294,12 @@ class RdtContext:
         if _control.waits_for_go(group.backend_name, entry.nbytes):
             go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
                                      make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
-            threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, deadline,
-                                                          entry.obj_id), name="rdt-send-wait", daemon=True).start()
+            _SEND_WAITERS.submit(_send_after_go, go, group, entry.buffers, rank, tag_base, deadline, entry.obj_id)
             return _control.RESP_OK, b""
         works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
                  for i, buf in enumerate(entry.buffers)]
-        threading.Thread(target=_finish_sends, args=(works, group, entry.buffers, deadline, entry.obj_id, rank),
-                         name="rdt-send-wait", daemon=True).start()
+        # Posted sends move without a waiter (the backend progresses them); a queued wait only learns the outcome.
+        _SEND_WAITERS.submit(_finish_sends, works, group, entry.buffers, deadline, entry.obj_id, rank)
         return _control.RESP_OK, b""
 
     def _serve_prepare_shm(self, _key_id: int, payload: bytes) -> Any:
@@ -345,6 +344,12 @@ class RdtContext:
         if self._server is not None:
             self._server.close()
         self.client.close()
+
+
+# Waits on object sends, shared by every group of this process and bounded whatever the number of fetches: a
+# slow consumer holds one thread until its deadline; more slow consumers queue (a large object's sends, posted
+# only after the consumer's "receives posted" message, then start late). Stop: _SEND_WAITERS.shutdown(wait=False).
+_SEND_WAITERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rdt-send-wait")
 
 
 def _err(code: int, message: str) -> Any:

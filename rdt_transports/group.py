@@ -19,7 +19,7 @@ import torch
 
 from . import algorithms
 from ._tensors import FLOAT_DTYPES, as_torch, check_same, check_tensor
-from .backends.base import Backend, Work
+from .backends.base import TAG_KIND_OBJECT, TAG_KIND_SHIFT, Backend, Work
 from .errors import (
     CollectiveTimeoutError,
     CommunicationError,
@@ -38,14 +38,14 @@ logger = logging.getLogger("rdt_transports")
 # Tag layout (31 bits): kind (2 bits) << 29 | payload. Tags only need to be unique per (src, dst) pair.
 TAG_COLLECTIVE = 0
 TAG_P2P = 1
-TAG_OBJECT = 2
+TAG_OBJECT = TAG_KIND_OBJECT
 _STEP_BITS = 14
 _SEQ_MASK = (1 << (29 - _STEP_BITS)) - 1
 _PAYLOAD_MASK = (1 << 29) - 1
 
 
 def make_tag(kind: int, payload: int) -> int:
-    return (kind << 29) | (payload & _PAYLOAD_MASK)
+    return (kind << TAG_KIND_SHIFT) | (payload & _PAYLOAD_MASK)
 
 
 class _OpChannel(algorithms.P2P):

@@ -265,8 +265,6 @@ def fetch_repeatedly(states: List[Dict[str, Any]], n: int) -> int:
     return n
 
 
-@pytest.mark.xfail(strict=True, reason="object sends share Gloo's 16-thread waiter pool with collectives and each "
-                   "fetch starts its own rdt-send-wait thread")
 def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
     """24 fetches slow to post their receives hold object sends open; an allreduce on the same group must still
     finish, the producer's send waiters stay bounded, and every object arrives intact afterwards."""
