@@ -299,3 +299,44 @@ def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
     finally:
         handle.destroy(timeout=10)
         _kill([p, c])
+
+
+# ---------------------------------------------------------------------------------------------- item 3
+def _backend_param(backend: str, xfail: bool = False) -> Any:
+    marks = []
+    if backend == "nixl" and not HAS_NIXL:
+        marks.append(pytest.mark.skip(reason="nixl is not installed (pip install 'rdt[nixl]')"))
+    if backend == "ucx" and not HAS_UCXX:
+        marks.append(pytest.mark.skip(reason="ucxx is not installed (pip install 'rdt[ucx]')"))
+    return pytest.param(backend, marks=marks, id=backend)
+
+
+def init_alone(backend: str, name: str, timeout: float) -> Tuple[Any, bool, List[str]]:
+    """(worker side) join a 2-rank group as rank 0 while rank 1 never comes: (error, still a member, GCS keys)."""
+    import ray.experimental.internal_kv as kv
+
+    try:
+        rt.init_collective_group(2, 0, backend=backend, group_name=name, timeout=timeout)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = fa.Caught(e)
+    keys = [k.decode() for k in kv._internal_kv_list("rdt/", namespace="rdt")]
+    return err, rt.is_group_initialized(name), keys
+
+
+@pytest.mark.xfail(strict=True, reason="nixl and ucx return a group alone; gloo's timeout does not name the missing rank")
+@pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
+def test_init_blocks_until_every_rank_joined(ray_cluster, backend: str) -> None:
+    """init_collective_group with a rank that never joins raises CollectiveTimeoutError naming it, at the timeout."""
+    (a,) = _peers(1)
+    name = f"rel-alone-{backend}"
+    try:
+        err, (caught, member, keys), seconds = _call(a, init_alone, backend, name, 3.0)
+        assert err is None, err
+        assert caught is not None, f"rank 0 of {backend} got a group although rank 1 never joined"
+        assert caught.cls is rte.CollectiveTimeoutError, repr(caught)
+        assert "rank(s) [1]" in caught.message and f"group={name!r}" in caught.message, caught.message
+        assert 2.5 <= seconds < 3.0 + SLACK_S, f"init returned after {seconds:.1f}s (timeout 3 s)"
+        assert not member
+    finally:
+        _kill([a])
