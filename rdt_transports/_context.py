@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 import uuid
 from typing import Dict, List, Optional
 
 from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
 from .backends import BackendConfig, backend_class
-from .errors import GroupExistsError, GroupNotFoundError, InvalidArgumentError, RdtError
+from .errors import (
+    CollectiveTimeoutError,
+    GroupExistsError,
+    GroupNotFoundError,
+    InvalidArgumentError,
+    RdtError,
+)
 from ._metrics import Metrics
 from .group import CollectiveGroup
 
@@ -74,6 +81,8 @@ class ProcessContext:
                 )
             self._groups[group_name] = None  # type: ignore[assignment]  # reserve the name
         record = None
+        impl = None
+        deadline = time.monotonic() + timeout
         try:
             if uid is None:
                 uid, secret, record = _agree_on_incarnation(world_size, rank, cls.capabilities.name, group_name,
@@ -82,7 +91,11 @@ class ProcessContext:
             rdv = Rendezvous(uid, group_name)
             rdv.put(f"member/{rank}", _my_actor_id().encode())
             config = BackendConfig(group_name, uid, rank, world_size, timeout, secret, rdv)
-            impl = cls(config)
+            try:
+                impl = cls(config)
+            except CollectiveTimeoutError as e:  # name who never came (each rank announced itself first)
+                raise _join_timeout(rdv, "member", world_size, rank, group_name, timeout, e) from e
+            _join_barrier(rdv, world_size, rank, group_name, timeout, deadline)
 
             def on_destroy() -> None:
                 with self._lock:
@@ -96,6 +109,13 @@ class ProcessContext:
         except BaseException:
             with self._lock:
                 self._groups.pop(group_name, None)
+            if impl is not None:  # a half-made backend: close its connections and registrations
+                try:
+                    impl.shutdown()
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+            if record is not None:
+                delete_incarnation(group_name, record)
             raise
         with self._lock:
             self._groups[group_name] = group
@@ -103,6 +123,39 @@ class ProcessContext:
 
     def destroy(self, name: str) -> None:
         self.get(name).destroy()
+
+
+def _join_barrier(rdv: Rendezvous, world_size: int, rank: int, group_name: str, timeout: float,
+                  deadline: float) -> None:
+    """Return once every rank has built its backend (a backend may connect lazily, so its constructor alone does
+    not prove the peers exist); raise CollectiveTimeoutError naming the ranks that never joined."""
+    rdv.put(f"joined/{rank}", b"1")
+    poll = 0.0005
+    while True:
+        missing = [r for r in range(world_size) if r != rank and rdv.try_get(f"joined/{r}") is None]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise _join_timeout(rdv, "joined", world_size, rank, group_name, timeout, None)
+        time.sleep(poll)
+        poll = min(poll * 2, 0.02)
+
+
+def _join_timeout(rdv: Rendezvous, key: str, world_size: int, rank: int, group_name: str, timeout: float,
+                  cause: Optional[BaseException]) -> CollectiveTimeoutError:
+    """The typed error for ranks that did not join within the timeout, naming them."""
+    try:
+        missing = [r for r in range(world_size) if r != rank and rdv.try_get(f"{key}/{r}") is None]
+    except RdtError:
+        missing = []
+    who = f"rank(s) {missing} did not join" if missing else "not every rank finished joining"
+    detail = f" ({cause})" if cause is not None and not missing else ""
+    return CollectiveTimeoutError(
+        f"init_collective_group timed out after {timeout:.1f}s: {who}{detail}", group=group_name, rank=rank,
+        peer=missing[0] if len(missing) == 1 else None, op="init_collective_group",
+        hint="call init_collective_group on every rank (same group_name, world_size and backend) within the "
+        "timeout, or pass every actor to create_collective_group; check that none died or is busy",
+    )
 
 
 def _my_actor_id() -> str:
