@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ._rendezvous import Rendezvous, delete_incarnation, publish_incarnation, read_incarnation
 from .backends import BackendConfig, backend_class
@@ -18,7 +19,9 @@ from .errors import (
     RdtError,
 )
 from ._metrics import Metrics
-from .group import CollectiveGroup
+from .group import CollectiveGroup, _actor_state
+
+logger = logging.getLogger("rdt_transports")
 
 _INCARNATION_WAIT_POLL = 0.01
 
@@ -101,8 +104,7 @@ class ProcessContext:
                 with self._lock:
                     if self._groups.get(group_name) is group:
                         del self._groups[group_name]
-                if record is not None and rank == 0:
-                    delete_incarnation(group_name, record)
+                _leave(group, rdv, record)
 
             group = CollectiveGroup(group_name, uid, impl, timeout, on_destroy, members)
             group.metrics = self.metrics
@@ -114,7 +116,7 @@ class ProcessContext:
                     impl.shutdown()
                 except Exception:  # noqa: BLE001 - the original error matters more
                     pass
-            if record is not None:
+            if record is not None and rank == 0:
                 delete_incarnation(group_name, record)
             raise
         with self._lock:
@@ -181,36 +183,66 @@ def _check_membership(world_size: object, rank: object, group_name: object) -> N
                                    hint="pass a name such as group_name='workers'")
 
 
-def _agree_on_incarnation(world_size: int, rank: int, backend: str, group_name: str, timeout: float):
-    """Actor-side init: rank 0 mints the incarnation id and secret; the others read them from Ray's GCS."""
-    import time
+def _agree_on_incarnation(world_size: int, rank: int, backend: str, group_name: str,
+                          timeout: float) -> Tuple[str, bytes, bytes]:
+    """Actor-side init: rank 0 mints the incarnation id and secret; the others read them from Ray's GCS.
 
-    from .errors import CollectiveTimeoutError
-
+    The name record carries rank 0's actor id, so a joiner skips the record of an incarnation whose rank 0 died
+    (a group re-created after a crash) and waits for the fresh one instead of joining the dead one.
+    """
     if rank == 0:
         uid = uuid.uuid4().hex
         secret = secrets.token_bytes(32)
         Rendezvous(uid, group_name).put("secret", secret)
-        record = f"{uid}|{world_size}|{backend}".encode()
-        publish_incarnation(group_name, record)
+        record = f"{uid}|{world_size}|{backend}|{_my_actor_id()}".encode()
+        publish_incarnation(group_name, record)  # replaces any earlier incarnation's record, dead or alive
         return uid, secret, record
     deadline = time.monotonic() + timeout
+    dead_owner: Dict[bytes, bool] = {}  # records already checked: one GCS lookup per record seen
     while True:
         record = read_incarnation(group_name)
         if record is not None:
-            uid, ws, be = record.decode().split("|")
+            uid, ws, be, owner = (record.decode().split("|") + [""])[:4]
             if int(ws) == world_size and be == backend:
-                secret = Rendezvous(uid, group_name).get("secret", max(deadline - time.monotonic(), 0.01))
-                return uid, secret, None
+                if record not in dead_owner:
+                    dead_owner[record] = bool(owner) and _actor_state(owner) == "DEAD"
+                if not dead_owner[record]:
+                    secret = Rendezvous(uid, group_name).get("secret", max(deadline - time.monotonic(), 0.01))
+                    return uid, secret, record
         if time.monotonic() >= deadline:
+            stale = record is not None and dead_owner.get(record, False)
             raise CollectiveTimeoutError(
                 f"rank 0 of group {group_name!r} did not initialise within {timeout:.1f}s"
-                + (f" (found a {record.decode()!r} incarnation that does not match world_size={world_size}, "
+                + (" (the only record found belongs to an incarnation whose rank 0 is dead)" if stale else
+                   f" (found a {record.decode()!r} incarnation that does not match world_size={world_size}, "
                    f"backend={backend!r})" if record else ""),
                 group=group_name, rank=rank, peer=0, op="init_collective_group",
                 hint="call init_collective_group on every rank with the same world_size and backend",
             )
         time.sleep(_INCARNATION_WAIT_POLL)
+
+
+def _leave(group: CollectiveGroup, rdv: Rendezvous, record: Optional[bytes]) -> None:
+    """On destroy: mark this rank gone; the last member (dead ones count as gone) clears the incarnation's keys.
+
+    Rank 0 drops the name record at once, so that the name can be reused while other members still leave.
+    """
+    try:
+        if record is not None and group.rank == 0:
+            delete_incarnation(group.name, record)
+        rdv.put(f"left/{group.rank}", b"1")
+        members = group.members or [""] * group.world_size
+        for r in range(group.world_size):
+            if r == group.rank or rdv.try_get(f"left/{r}") is not None:
+                continue
+            actor_id = members[r] if r < len(members) and members[r] else (rdv.try_get(f"member/{r}") or b"").decode()
+            if not actor_id or _actor_state(actor_id) != "DEAD":
+                return  # a live member has still to leave: it clears
+        rdv.clear()
+        if record is not None:
+            delete_incarnation(group.name, record)
+    except Exception as e:  # noqa: BLE001 - Ray already shut down, or the GCS is unreachable: nothing to do
+        logger.debug("rdt_transports: group=%s rank=%d: rendezvous cleanup failed: %s", group.name, group.rank, e)
 
 
 _process_context: Optional[ProcessContext] = None

@@ -302,7 +302,7 @@ def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- item 3
-def _backend_param(backend: str, xfail: bool = False) -> Any:
+def _backend_param(backend: str) -> Any:
     marks = []
     if backend == "nixl" and not HAS_NIXL:
         marks.append(pytest.mark.skip(reason="nixl is not installed (pip install 'rdt[nixl]')"))
@@ -366,8 +366,6 @@ def _init_actor_side(actors: List[Any], name: str, timeout: float, stagger: floa
     return ray.get(refs, timeout=timeout + 60)
 
 
-@pytest.mark.xfail(strict=True, reason="a joiner accepts the dead incarnation's name record; actor-side groups leave "
-                   "their keys in the GCS after destroy")
 def test_recreate_after_rank0_crash_and_destroy_leaves_nothing(ray_cluster) -> None:
     """Kill rank 0 of an actor-initialised group; a new incarnation with the same name and new actors works even
     when its rank 1 looks the name up first; after destroy on every member no GCS key of either incarnation is left."""
