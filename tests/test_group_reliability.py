@@ -393,3 +393,39 @@ def test_recreate_after_rank0_crash_and_destroy_leaves_nothing(ray_cluster) -> N
         assert not left, f"destroy left {len(left)} GCS keys behind: {left[:8]}"
     finally:
         _kill(old + new)
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+def busy(seconds: float) -> float:
+    """(worker side) a long user method that holds the actor's queue."""
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.xfail(strict=True, reason="GroupHandle.destroy calls each member on its queue, behind the stuck collective")
+def test_driver_destroy_reaches_members_stuck_in_a_collective(ray_cluster) -> None:
+    """Two members block in an allreduce waiting for a third that is alive but busy in a long user method:
+    ``handle.destroy(timeout=...)`` returns in bounded time and both stuck calls raise GroupDestroyedError."""
+    actors = _peers(3)
+    name = "rel-stuck"
+    handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
+    try:
+        _assert_allreduce(actors, name)
+        busy_ref = actors[2].call.remote(busy, 20.0)
+        stuck = [a.call.remote(timed_allreduce, name, 60.0) for a in actors[:2]]
+        time.sleep(1.5)  # both are blocked in the allreduce now
+        t0 = time.monotonic()
+        handle.destroy(timeout=6.0)
+        took = time.monotonic() - t0
+        assert took < 6.0 + SLACK_S, f"destroy took {took:.1f}s"
+        ready, _ = ray.wait(stuck, num_returns=2, timeout=SLACK_S)
+        assert len(ready) == 2, f"the stuck allreduce calls still run {time.monotonic() - t0:.1f}s after destroy"
+        for err, value, seconds in ray.get(stuck):
+            assert err is not None and err.cls is rte.GroupDestroyedError, repr(err or value)
+            assert f"group={name!r}" in err.message and "op='allreduce'" in err.message, err.message
+        for a in actors[:2]:
+            assert _state(a, name) is None
+        assert ray.get(busy_ref, timeout=60)[0] is None
+        assert wait_for(lambda: _state(actors[2], name) is None, timeout=30)  # its queued destroy ran
+    finally:
+        _kill(actors)
