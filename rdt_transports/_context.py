@@ -24,6 +24,9 @@ from .group import CollectiveGroup, _actor_state
 logger = logging.getLogger("rdt_transports")
 
 _INCARNATION_WAIT_POLL = 0.01
+ABORT_CHECK_S = 1.0  # a call blocked this long looks for an abort record, then at most once per this period
+_WATCH_PERIOD_S = 0.25
+ABORT_KEY = "abort"  # in a group incarnation's rendezvous: published by GroupHandle.destroy()/abort()
 
 
 class ProcessContext:
@@ -33,6 +36,8 @@ class ProcessContext:
         self._groups: Dict[str, CollectiveGroup] = {}
         self._lock = threading.RLock()
         self.metrics = Metrics()
+        self._watcher: Optional[threading.Thread] = None
+        self._watch_stop = threading.Event()
 
     def names(self) -> List[str]:
         with self._lock:
@@ -121,7 +126,46 @@ class ProcessContext:
             raise
         with self._lock:
             self._groups[group_name] = group
+            if self._watcher is None and not self._watch_stop.is_set():
+                self._watcher = threading.Thread(target=self._watch, name="rdt-group-abort-watch", daemon=True)
+                self._watcher.start()
         return group
+
+    def _watch(self) -> None:
+        """Abort a group whose driver asked for it while a call on it is blocked (a blocked actor cannot run the
+        destroy call queued behind it). Reads the GCS only for calls blocked over ABORT_CHECK_S, at most once per
+        ABORT_CHECK_S per group, never per call; exits when this process has no group left, or on stop."""
+        last: Dict[str, float] = {}
+        while not self._watch_stop.wait(_WATCH_PERIOD_S):
+            with self._lock:
+                groups = [g for g in self._groups.values() if g is not None]
+                if not groups and all(n is not None for n in self._groups.values()):
+                    self._watcher = None
+                    return
+            now = time.monotonic()
+            last = {uid: t for uid, t in last.items() if any(g.uid == uid for g in groups)}
+            for g in groups:
+                if g.blocked_for(now) < ABORT_CHECK_S or now - last.get(g.uid, 0.0) < ABORT_CHECK_S:
+                    continue
+                last[g.uid] = now
+                try:
+                    reason = g.backend.config.rendezvous.try_get(ABORT_KEY)
+                except Exception:  # noqa: BLE001 - GCS unreachable or Ray shut down: try again later
+                    continue
+                if reason is not None:
+                    logger.warning("rdt_transports: group=%s rank=%d: aborting a blocked call: %s", g.name, g.rank,
+                                   reason.decode(errors="replace"))
+                    g.abort(reason.decode(errors="replace"))
+        with self._lock:
+            self._watcher = None
+
+    def stop_watcher(self, timeout: float = 2.0) -> None:
+        """Stop the abort watcher thread (at exit); bounded by ``timeout``. New groups start no watcher after."""
+        self._watch_stop.set()
+        with self._lock:
+            thread = self._watcher
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def destroy(self, name: str) -> None:
         self.get(name).destroy()

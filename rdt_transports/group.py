@@ -102,6 +102,8 @@ class CollectiveGroup:
         self._send_seq: Dict[int, itertools.count] = {}
         self._recv_seq: Dict[int, itertools.count] = {}
         self._on_destroy = on_destroy
+        self._call_ids = itertools.count()
+        self._calls: Dict[int, float] = {}  # calls in flight: id -> monotonic start (as many as calling threads)
         self.stats: Dict[str, float] = {"ops": 0, "bytes": 0, "errors": 0}
         self.metrics: Optional[Any] = None  # rdt_transports._metrics.Metrics, set by the process context
 
@@ -147,6 +149,11 @@ class CollectiveGroup:
             if r != self.rank and actor_id and _actor_state(actor_id) == "DEAD":
                 dead.append(r)
         return dead
+
+    def blocked_for(self, now: float) -> float:
+        """Seconds the oldest call in flight has been running (0 when none): the abort watcher's cue."""
+        calls = list(self._calls.values())
+        return now - min(calls) if calls else 0.0
 
     def _mark_errored(self, err: BaseException) -> None:
         """Leave HEALTHY for good; after a timeout also abort this rank's side of the backend.
@@ -266,12 +273,16 @@ class CollectiveGroup:
         seconds = to_seconds(timeout, self.timeout)
         start = time.monotonic()
         deadline = start + seconds
+        call_id = next(self._call_ids)
+        self._calls[call_id] = start
         try:
             try:
                 fn(deadline)
             except BaseException as e:
                 self._record(op, nbytes, start, e, peer)
                 raise
+            finally:
+                self._calls.pop(call_id, None)
         except RdtError as e:
             dead: List[int] = []
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
