@@ -19,14 +19,13 @@ from .errors import (
     RdtError,
 )
 from ._metrics import Metrics
-from .group import CollectiveGroup, _actor_state
+from .group import ABORT_KEY, CollectiveGroup, _actor_state
 
 logger = logging.getLogger("rdt_transports")
 
 _INCARNATION_WAIT_POLL = 0.01
 ABORT_CHECK_S = 1.0  # a call blocked this long looks for an abort record, then at most once per this period
 _WATCH_PERIOD_S = 0.25
-ABORT_KEY = "abort"  # in a group incarnation's rendezvous: published by GroupHandle.destroy()/abort()
 
 
 class ProcessContext:

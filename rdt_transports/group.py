@@ -44,6 +44,9 @@ _SEQ_MASK = (1 << (29 - _STEP_BITS)) - 1
 _PAYLOAD_MASK = (1 << 29) - 1
 
 
+ABORT_KEY = "abort"  # in an incarnation's rendezvous: published by GroupHandle.destroy()/abort() from the driver
+
+
 def make_tag(kind: int, payload: int) -> int:
     return (kind << TAG_KIND_SHIFT) | (payload & _PAYLOAD_MASK)
 
@@ -149,6 +152,14 @@ class CollectiveGroup:
             if r != self.rank and actor_id and _actor_state(actor_id) == "DEAD":
                 dead.append(r)
         return dead
+
+    def _abort_requested(self) -> Optional[str]:
+        """The driver's abort record for this incarnation, if any (one GCS read; only on a failure path)."""
+        try:
+            value = self.backend.config.rendezvous.try_get(ABORT_KEY)
+        except Exception:  # noqa: BLE001 - no Ray here, or the GCS is unreachable: no record known
+            return None
+        return value.decode(errors="replace") if value is not None else None
 
     def blocked_for(self, now: float) -> float:
         """Seconds the oldest call in flight has been running (0 when none): the abort watcher's cue."""
@@ -285,6 +296,11 @@ class CollectiveGroup:
                 self._calls.pop(call_id, None)
         except RdtError as e:
             dead: List[int] = []
+            reason = self._abort_requested() if isinstance(e, CommunicationError) else None
+            if reason is not None:  # a peer aborted on the driver's request before this rank saw the record
+                self.abort(reason)
+                raise GroupDestroyedError(f"{op} ended: {reason}", group=self.name, rank=self.rank, op=op,
+                                          hint="create the group again before using it") from e
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
                 self._mark_errored(e)
                 dead = self.dead_ranks()
