@@ -18,7 +18,6 @@ import pytest
 import ray
 import torch
 
-import rdt
 import rdt_transports as rt
 from rdt_transports import errors as rte
 
