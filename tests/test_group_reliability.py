@@ -427,3 +427,33 @@ def test_driver_destroy_reaches_members_stuck_in_a_collective(ray_cluster) -> No
         assert wait_for(lambda: _state(actors[2], name) is None, timeout=30)  # its queued destroy ran
     finally:
         _kill(actors)
+
+
+# ---------------------------------------------------------------------------------------------- item 1, nixl
+def timed_recv(name: str, src: int, timeout: float) -> None:
+    rt.recv(torch.zeros(4), src, name, timeout=timeout)
+
+
+@pytest.mark.xfail(strict=True, reason="a NIXL member that times out has no connection to close: its peer waits its "
+                   "own timeout")
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (pip install 'rdt[nixl]')")
+def test_nixl_peer_of_a_timed_out_member_fails_fast(ray_cluster) -> None:
+    """Rank 0's recv times out; rank 1, blocked in a recv with a 30 s timeout, fails within about a second after."""
+    a, b = _peers(2)
+    name = "rel-nixl-timeout"
+    handle = rt.create_collective_group([a, b], backend="nixl", group_name=name)
+    try:
+        _assert_allreduce([a, b], name)
+        blocked = b.call.remote(timed_recv, name, 0, 30.0)
+        time.sleep(0.5)
+        err, _, seconds = _call(a, timed_recv, name, 1, 2.0)
+        assert err is not None and err.cls is rte.CollectiveTimeoutError, repr(err)
+        ready, _ = ray.wait([blocked], timeout=SLACK_S)
+        assert ready, "rank 1 still waits although rank 0's group errored"
+        err, _, seconds = ray.get(blocked)
+        assert err is not None and issubclass(err.cls, rte.CommunicationError), repr(err)
+        assert "rank 0" in err.message and f"group={name!r}" in err.message, err.message
+        assert _state(b, name) == "errored"
+    finally:
+        handle.destroy(timeout=10)
+        _kill([a, b])
