@@ -19,7 +19,7 @@ from .errors import (
     RdtError,
 )
 from ._metrics import Metrics
-from .group import ABORT_KEY, CollectiveGroup, _actor_state
+from .group import ABORT_KEY, ERRORED_KEY, CollectiveGroup, _actor_state
 
 logger = logging.getLogger("rdt_transports")
 
@@ -132,7 +132,7 @@ class ProcessContext:
 
     def _watch(self) -> None:
         """Abort a group whose driver asked for it while a call on it is blocked (a blocked actor cannot run the
-        destroy call queued behind it). Reads the GCS only for calls blocked over ABORT_CHECK_S, at most once per
+        destroy call queued behind it), or error it when another member's call timed out (ERRORED_KEY). Reads the GCS only for calls blocked over ABORT_CHECK_S, at most once per
         ABORT_CHECK_S per group, never per call; exits when this process has no group left, or on stop."""
         last: Dict[str, float] = {}
         while not self._watch_stop.wait(_WATCH_PERIOD_S):
@@ -149,12 +149,15 @@ class ProcessContext:
                 last[g.uid] = now
                 try:
                     reason = g.backend.config.rendezvous.try_get(ABORT_KEY)
+                    failed = None if reason is not None else g.backend.config.rendezvous.try_get(ERRORED_KEY)
                 except Exception:  # noqa: BLE001 - GCS unreachable or Ray shut down: try again later
                     continue
                 if reason is not None:
                     logger.warning("rdt_transports: group=%s rank=%d: aborting a blocked call: %s", g.name, g.rank,
                                    reason.decode(errors="replace"))
                     g.abort(reason.decode(errors="replace"))
+                elif failed is not None:
+                    g.peer_failed(failed)
         with self._lock:
             self._watcher = None
 

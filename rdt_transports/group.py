@@ -45,6 +45,7 @@ _PAYLOAD_MASK = (1 << 29) - 1
 
 
 ABORT_KEY = "abort"  # in an incarnation's rendezvous: published by GroupHandle.destroy()/abort() from the driver
+ERRORED_KEY = "errored"  # in an incarnation's rendezvous: "<rank>|<error>" of the first member whose call timed out
 
 
 def make_tag(kind: int, payload: int) -> int:
@@ -185,6 +186,24 @@ class CollectiveGroup:
             except Exception as e:  # noqa: BLE001 - abort is best effort; the group is errored either way
                 logger.warning("rdt_transports: group=%s rank=%d: abort after a timeout failed: %s", self.name,
                                self.rank, e)
+            try:  # for peers with no connection to notice the abort (NIXL): their blocked calls read it
+                self.backend.config.rendezvous.put(ERRORED_KEY, f"{self.rank}|{err}".encode(), overwrite=False)
+            except Exception:  # noqa: BLE001 - no Ray here, or the GCS is unreachable: peers wait their timeout
+                pass
+
+    def peer_failed(self, record: bytes) -> None:
+        """Another member's call timed out (its ERRORED_KEY record): error this group and end blocked calls."""
+        text = record.decode(errors="replace")
+        head, _, message = text.partition("|")
+        peer = int(head) if head.isdigit() else None
+        if peer == self.rank or self._state is not GroupState.HEALTHY:
+            return
+        self._mark_errored(PeerUnavailableError(
+            f"rank {peer} of the group failed and aborted its side ({message[:300]})", group=self.name,
+            rank=self.rank, peer=peer,
+            hint="destroy the group on every member and create it again; see the error on that rank",
+        ))
+        self.backend.abort()
 
     def fail(self, err: BaseException) -> None:
         """Mark the group ERRORED because of ``err`` from work done outside its own calls (e.g. an object send)."""
@@ -296,6 +315,11 @@ class CollectiveGroup:
                 self._calls.pop(call_id, None)
         except RdtError as e:
             dead: List[int] = []
+            failed = self._error
+            if isinstance(e, GroupDestroyedError) and self._state is GroupState.ERRORED and isinstance(
+                    failed, RdtError):  # the backend was aborted because the group errored: say why
+                raise type(failed)(failed.message, group=self.name, rank=self.rank, peer=failed.peer, op=op,
+                                   object_id=failed.object_id, hint=failed.hint) from e
             reason = self._abort_requested() if isinstance(e, CommunicationError) else None
             if reason is not None:  # a peer aborted on the driver's request before this rank saw the record
                 self.abort(reason)

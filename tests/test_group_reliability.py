@@ -434,8 +434,6 @@ def timed_recv(name: str, src: int, timeout: float) -> None:
     rt.recv(torch.zeros(4), src, name, timeout=timeout)
 
 
-@pytest.mark.xfail(strict=True, reason="a NIXL member that times out has no connection to close: its peer waits its "
-                   "own timeout")
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (pip install 'rdt[nixl]')")
 def test_nixl_peer_of_a_timed_out_member_fails_fast(ray_cluster) -> None:
     """Rank 0's recv times out; rank 1, blocked in a recv with a 30 s timeout, fails within about a second after."""
