@@ -198,8 +198,10 @@ class CollectiveGroup:
         peer = int(head) if head.isdigit() else None
         if peer == self.rank or self._state is not GroupState.HEALTHY:
             return
-        self._mark_errored(PeerUnavailableError(
-            f"rank {peer} of the group failed and aborted its side ({message[:300]})", group=self.name,
+        # A timeout of the group's work at that rank, so a timeout here too (the same class a NIXL member would
+        # get from its own wait a moment later).
+        self._mark_errored(CollectiveTimeoutError(
+            f"rank {peer} of the group timed out and aborted its side ({message[:300]})", group=self.name,
             rank=self.rank, peer=peer,
             hint="destroy the group on every member and create it again; see the error on that rank",
         ))
