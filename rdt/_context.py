@@ -24,6 +24,7 @@ import torch
 
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, GroupDestroyedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
 from . import _cma, _control, _shm
@@ -343,30 +344,31 @@ class RdtContext:
         return self.table.get(payload[:16]) if len(payload) >= 16 else None
 
     def _serve_fetch_group(self, _key_id: int, payload: bytes) -> Any:
-        if len(payload) != 40:
+        if len(payload) != 44:
             return _err(_control.ERR_BAD_REQUEST, "malformed fetch request")
         entry = self._lookup(payload)
         if entry is None:
             return _err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
         uid = payload[16:32].hex()
-        rank, tag_base = struct.unpack("!II", payload[32:40])
+        rank, tag_base, wait_ms = struct.unpack("!III", payload[32:44])
         group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
         if group is None:
             return _err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
         if not 0 <= rank < group.world_size or rank == group.rank:
             return _err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
         self.stats.add(group.backend_name, "out", entry.nbytes)
-        timeout = self.config.transfer_timeout
+        # Wait exactly as long as the consumer does (its time left, relative): a shorter wait would kill a
+        # transfer the consumer still waits for, a longer one would hold the buffers after it gave up.
+        deadline = time.monotonic() + wait_ms / 1000.0
         if _control.waits_for_go(group.backend_name, entry.nbytes):
             go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
                                      make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
-            threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, timeout,
-                                                          entry.obj_id), name="rdt-send-wait", daemon=True).start()
+            _SEND_WAITERS.submit(_send_after_go, go, group, entry.buffers, rank, tag_base, deadline, entry.obj_id)
             return _control.RESP_OK, b""
         works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
                  for i, buf in enumerate(entry.buffers)]
-        threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
-                         name="rdt-send-wait", daemon=True).start()
+        # Posted sends move without a waiter (the backend progresses them); a queued wait only learns the outcome.
+        _SEND_WAITERS.submit(_finish_sends, works, group, entry.buffers, deadline, entry.obj_id, rank)
         return _control.RESP_OK, b""
 
     def _serve_fetch_bytes(self, _key_id: int, payload: bytes) -> Any:
@@ -444,6 +446,12 @@ class RdtContext:
         self._reaper.join(_lifecycle.JOIN_TIMEOUT_S)
 
 
+# Waits on object sends, shared by every group of this process and bounded whatever the number of fetches: a
+# slow consumer holds one thread until its deadline; more slow consumers queue (a large object's sends, posted
+# only after the consumer's "receives posted" message, then start late). Stop: _SEND_WAITERS.shutdown(wait=False).
+_SEND_WAITERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rdt-send-wait")
+
+
 def _err(code: int, message: str) -> Any:
     return _control.RESP_ERR, struct.pack("!H", code) + message.encode()
 
@@ -477,31 +485,45 @@ def _keyed(key_ids: Tuple[int, ...], handler: Any) -> Any:
     return run
 
 
-def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
+def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, deadline: float,
                    obj_id: bytes) -> None:
-    """Post the object's sends once the consumer says its receives are posted (or give up at the timeout)."""
+    """Post the object's sends once the consumer says its receives are posted (or give up at its deadline)."""
     try:
-        go.wait(timeout)
-    except Exception as e:  # the consumer timed out or died; it reports its own error
-        logger.warning("rdt: rank %d never asked for the data of object %s: %s", rank, obj_id.hex(), e)
-        return
-    try:
+        go.wait(max(deadline - time.monotonic(), 1e-3))
         works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
-    except Exception as e:  # noqa: BLE001 - the group was aborted meanwhile
-        logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+    except Exception as e:  # noqa: BLE001 - the consumer timed out or died, or the group was aborted meanwhile
+        _send_failed(group, obj_id, rank, deadline, e)
         return
-    _finish_sends(works, buffers, timeout, obj_id, rank)
+    _finish_sends(works, group, buffers, deadline, obj_id, rank)
 
 
-def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:
-    """Wait for posted sends off the control thread; buffers stay referenced until then."""
+def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], deadline: float, obj_id: bytes,
+                  rank: int) -> None:
+    """Wait for posted sends off the control thread; buffers stay referenced until then.
+
+    A failed send leaves the group ERRORED here as well (after a timeout the backend is aborted too, so the
+    group's other members fail fast): the backend's state is unknown, the next collective must not use it.
+    """
     for w in works:
         try:
-            w.wait(timeout)
-        except Exception as e:  # the consumer sees its own error; log ours with context
-            logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+        except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
+            _send_failed(group, obj_id, rank, deadline, e)
             return
     del keepalive
+
+
+def _send_failed(group: Any, obj_id: bytes, rank: int, deadline: float, cause: BaseException) -> None:
+    """Log a failed object send with its context and mark the group ERRORED (not after an abort or destroy)."""
+    logger.warning("rdt: group=%s rank=%d: sending object %s to rank %d failed: %s", group.name, group.rank,
+                   obj_id.hex(), rank, cause)
+    if isinstance(cause, GroupDestroyedError):
+        return
+    cls = CollectiveTimeoutError if isinstance(cause, TimeoutError) else CommunicationError
+    group.fail(cls(f"sending object {obj_id.hex()[:16]} to rank {rank} failed: {cause}", group=group.name,
+                   rank=group.rank, peer=rank, op="object send", object_id=obj_id.hex(),
+                   hint="the consumer did not receive in time or died; destroy the group on every member and "
+                   "create it again"))
 
 
 def _export_cuda_ipc(entry: Entry, transport: str, ipc_map: bool) -> Optional[Any]:

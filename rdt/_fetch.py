@@ -384,8 +384,10 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
                            timeout: float) -> List[torch.Tensor]:
     n = len(meta.buffers)
     tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message
-    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
     deadline = time.monotonic() + timeout
+    # The producer waits as long as we do: our time left, as relative milliseconds (clocks differ across hosts).
+    wait_ms = min(max(int(timeout * 1000), 1), 0xFFFFFFFF)
+    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!III", group.rank, tag_base, wait_ms)
     _control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                      payload, timeout)
     device = _consumer_device(meta)
