@@ -132,6 +132,10 @@ class RdtContext:
         self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
+        # Waits on object sends, shared by every group of this process and bounded whatever the number of fetches:
+        # a slow consumer holds one thread until its deadline; more slow consumers queue (a large object's sends,
+        # posted only after the consumer's "receives posted" message, then start late).
+        self.send_waiters = ThreadPoolExecutor(max_workers=SEND_WAITERS, thread_name_prefix="rdt-send-wait")
         _shm.reap_dead_owners()
         self._stopped = threading.Event()
         # Before exit: stop every rdt thread, unlink our shm segments, deregister NIXL memory.
@@ -319,6 +323,7 @@ class RdtContext:
         if self._server is not None:
             self._server.close()  # no new requests from here on
         self.waiters.shutdown(wait=False, cancel_futures=True)
+        self.send_waiters.shutdown(wait=False, cancel_futures=True)
         try:
             self.table.clear()
         except Exception:
@@ -338,6 +343,7 @@ class RdtContext:
 
 
 KV_NAMESPACE = "rdt"
+SEND_WAITERS = 16  # threads a producer waits on object sends with, at most
 
 
 def stats_kv_key(actor_id: str) -> str:

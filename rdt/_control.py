@@ -38,7 +38,7 @@ MAX_SKEW_MS = 120_000
 _CHUNK = 4 << 20  # bytes per socket call when streaming an object's bytes
 
 # message types
-REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_base(u32)
+REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_base(u32) consumer_wait_ms(u32)
 REQ_PREPARE_SHM = 2  # payload: obj_id(16)
 REQ_PREPARE_NIXL = 3  # payload: obj_id(16)
 REQ_PING = 4

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ._context import get_context
+from ._context import ABORT_KEY, get_context
 from ._rendezvous import Rendezvous
 from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError
 from .group import CollectiveGroup
@@ -108,13 +108,29 @@ class GroupHandle:
                 return r
         return -1
 
+    def abort(self, reason: str = "aborted from the driver") -> None:
+        """Make every member's calls on this group fail with GroupDestroyedError, without waiting for any actor.
+
+        Publishes an abort record in the group's rendezvous: a member blocked in a call sees it within about
+        ABORT_CHECK_S and aborts its backend, so its stuck call raises and its actor queue moves on.
+        """
+        try:
+            Rendezvous(self.uid, self.name).put(ABORT_KEY, reason.encode())
+        except RdtError:
+            pass
+
     def destroy(self, *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
-        """Destroy the group on every live member; dead members are skipped. Idempotent."""
+        """Destroy the group on every live member; dead members are skipped. Idempotent.
+
+        Aborts first (see :meth:`abort`), so members stuck in a collective free their queue for the destroy call;
+        returns after ``timeout`` even if a member is busy in a long method (its destroy runs once it is free).
+        """
         import ray
 
         if self.destroyed:
             return
         self.destroyed = True
+        self.abort("the group was destroyed from the driver")
         refs = [a.__ray_call__.remote(_destroy_on_actor, self.name, self.uid) for a in self.actors]
         seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=seconds)
@@ -123,6 +139,8 @@ class GroupHandle:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 pass  # a dead member has nothing left to destroy
+        if len(ready) < len(refs):
+            return  # a member still has to leave; the last one to leave clears the keys (abort record included)
         try:
             Rendezvous(self.uid, self.name).clear()
         except RdtError:

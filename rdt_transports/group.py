@@ -19,7 +19,7 @@ import torch
 
 from . import algorithms
 from ._tensors import FLOAT_DTYPES, as_torch, check_same, check_tensor
-from .backends.base import Backend, Work
+from .backends.base import TAG_KIND_OBJECT, TAG_KIND_SHIFT, Backend, Work
 from .errors import (
     CollectiveTimeoutError,
     CommunicationError,
@@ -38,14 +38,18 @@ logger = logging.getLogger("rdt_transports")
 # Tag layout (31 bits): kind (2 bits) << 29 | payload. Tags only need to be unique per (src, dst) pair.
 TAG_COLLECTIVE = 0
 TAG_P2P = 1
-TAG_OBJECT = 2
+TAG_OBJECT = TAG_KIND_OBJECT
 _STEP_BITS = 14
 _SEQ_MASK = (1 << (29 - _STEP_BITS)) - 1
 _PAYLOAD_MASK = (1 << 29) - 1
 
 
+ABORT_KEY = "abort"  # in an incarnation's rendezvous: published by GroupHandle.destroy()/abort() from the driver
+ERRORED_KEY = "errored"  # in an incarnation's rendezvous: "<rank>|<error>" of the first member whose call timed out
+
+
 def make_tag(kind: int, payload: int) -> int:
-    return (kind << 29) | (payload & _PAYLOAD_MASK)
+    return (kind << TAG_KIND_SHIFT) | (payload & _PAYLOAD_MASK)
 
 
 class _OpChannel(algorithms.P2P):
@@ -102,6 +106,8 @@ class CollectiveGroup:
         self._send_seq: Dict[int, itertools.count] = {}
         self._recv_seq: Dict[int, itertools.count] = {}
         self._on_destroy = on_destroy
+        self._call_ids = itertools.count()
+        self._calls: Dict[int, float] = {}  # calls in flight: id -> monotonic start (as many as calling threads)
         self.stats: Dict[str, float] = {"ops": 0, "bytes": 0, "errors": 0}
         self.metrics: Optional[Any] = None  # rdt_transports._metrics.Metrics, set by the process context
 
@@ -148,12 +154,62 @@ class CollectiveGroup:
                 dead.append(r)
         return dead
 
+    def _abort_requested(self) -> Optional[str]:
+        """The driver's abort record for this incarnation, if any (one GCS read; only on a failure path)."""
+        try:
+            value = self.backend.config.rendezvous.try_get(ABORT_KEY)
+        except Exception:  # noqa: BLE001 - no Ray here, or the GCS is unreachable: no record known
+            return None
+        return value.decode(errors="replace") if value is not None else None
+
+    def blocked_for(self, now: float) -> float:
+        """Seconds the oldest call in flight has been running (0 when none): the abort watcher's cue."""
+        calls = list(self._calls.values())
+        return now - min(calls) if calls else 0.0
+
     def _mark_errored(self, err: BaseException) -> None:
+        """Leave HEALTHY for good; after a timeout also abort this rank's side of the backend.
+
+        A timed-out op may still be half posted at a peer (Gloo closes the pairs itself); aborting closes this
+        rank's connections and fails its shared-memory barrier, so every peer's pending and next call fails fast
+        instead of waiting for its own timeout, with no GCS read per call.
+        """
         with self._lock:
-            if self._state is GroupState.HEALTHY:
+            first = self._state is GroupState.HEALTHY
+            if first:
                 self._state = GroupState.ERRORED
                 self._error = err
         self.stats["errors"] += 1
+        if first and isinstance(err, TimeoutError):
+            try:
+                self.backend.abort()
+            except Exception as e:  # noqa: BLE001 - abort is best effort; the group is errored either way
+                logger.warning("rdt_transports: group=%s rank=%d: abort after a timeout failed: %s", self.name,
+                               self.rank, e)
+            try:  # for peers with no connection to notice the abort (NIXL): their blocked calls read it
+                self.backend.config.rendezvous.put(ERRORED_KEY, f"{self.rank}|{err}".encode(), overwrite=False)
+            except Exception:  # noqa: BLE001 - no Ray here, or the GCS is unreachable: peers wait their timeout
+                pass
+
+    def peer_failed(self, record: bytes) -> None:
+        """Another member's call timed out (its ERRORED_KEY record): error this group and end blocked calls."""
+        text = record.decode(errors="replace")
+        head, _, message = text.partition("|")
+        peer = int(head) if head.isdigit() else None
+        if peer == self.rank or self._state is not GroupState.HEALTHY:
+            return
+        # A timeout of the group's work at that rank, so a timeout here too (the same class a NIXL member would
+        # get from its own wait a moment later).
+        self._mark_errored(CollectiveTimeoutError(
+            f"rank {peer} of the group timed out and aborted its side ({message[:300]})", group=self.name,
+            rank=self.rank, peer=peer,
+            hint="destroy the group on every member and create it again; see the error on that rank",
+        ))
+        self.backend.abort()
+
+    def fail(self, err: BaseException) -> None:
+        """Mark the group ERRORED because of ``err`` from work done outside its own calls (e.g. an object send)."""
+        self._mark_errored(err)
 
     def _check_usable(self, op: str) -> None:
         state = self._state
@@ -249,14 +305,28 @@ class CollectiveGroup:
         seconds = to_seconds(timeout, self.timeout)
         start = time.monotonic()
         deadline = start + seconds
+        call_id = next(self._call_ids)
+        self._calls[call_id] = start
         try:
             try:
                 fn(deadline)
             except BaseException as e:
                 self._record(op, nbytes, start, e, peer)
                 raise
+            finally:
+                self._calls.pop(call_id, None)
         except RdtError as e:
             dead: List[int] = []
+            failed = self._error
+            if isinstance(e, GroupDestroyedError) and self._state is GroupState.ERRORED and isinstance(
+                    failed, RdtError):  # the backend was aborted because the group errored: say why
+                raise type(failed)(failed.message, group=self.name, rank=self.rank, peer=failed.peer, op=op,
+                                   object_id=failed.object_id, hint=failed.hint) from e
+            reason = self._abort_requested() if isinstance(e, CommunicationError) else None
+            if reason is not None:  # a peer aborted on the driver's request before this rank saw the record
+                self.abort(reason)
+                raise GroupDestroyedError(f"{op} ended: {reason}", group=self.name, rank=self.rank, op=op,
+                                          hint="create the group again before using it") from e
             if isinstance(e, (CommunicationError, CollectiveTimeoutError)):
                 self._mark_errored(e)
                 dead = self.dead_ranks()

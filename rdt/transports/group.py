@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rdt_transports._context import get_context as get_transport_context
-from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, GroupDestroyedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
 from .. import _control
@@ -83,58 +83,73 @@ class UcxTransport(_GroupTransport):
 
 # ------------------------------------------------------------------------------------------------ producer
 def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
-    if len(payload) != 40:
+    if len(payload) != 44:
         return err(_control.ERR_BAD_REQUEST, "malformed fetch request")
     entry = ctx.table.get(payload[:16])
     if entry is None:
         return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
     uid = payload[16:32].hex()
-    rank, tag_base = struct.unpack("!II", payload[32:40])
+    rank, tag_base, wait_ms = struct.unpack("!III", payload[32:44])
     group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
     if group is None:
         return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
     if not 0 <= rank < group.world_size or rank == group.rank:
         return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
     ctx.stats.add(group.backend_name, "out", entry.nbytes)
-    timeout = ctx.config.transfer_timeout
+    # Wait exactly as long as the consumer does (its time left, relative): a shorter wait would kill a transfer the
+    # consumer still waits for, a longer one would hold the buffers after it gave up.
+    deadline = time.monotonic() + wait_ms / 1000.0
     if _control.waits_for_go(group.backend_name, entry.nbytes):
         go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
                                  make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
-        threading.Thread(target=_send_after_go, args=(go, group, entry.buffers, rank, tag_base, timeout,
-                                                      entry.obj_id), name="rdt-send-wait", daemon=True).start()
+        ctx.send_waiters.submit(_send_after_go, go, group, entry.buffers, rank, tag_base, deadline, entry.obj_id)
         return _control.RESP_OK, b""
     works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
              for i, buf in enumerate(entry.buffers)]
-    threading.Thread(target=_finish_sends, args=(works, entry.buffers, timeout, entry.obj_id, rank),
-                     name="rdt-send-wait", daemon=True).start()
+    # Posted sends move without a waiter (the backend progresses them); a queued wait only learns the outcome.
+    ctx.send_waiters.submit(_finish_sends, works, group, entry.buffers, deadline, entry.obj_id, rank)
     return _control.RESP_OK, b""
 
 
-def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, timeout: float,
+def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, deadline: float,
                    obj_id: bytes) -> None:
-    """Post the object's sends once the consumer says its receives are posted (or give up at the timeout)."""
+    """Post the object's sends once the consumer says its receives are posted (or give up at its deadline)."""
     try:
-        go.wait(timeout)
-    except Exception as e:  # the consumer timed out or died; it reports its own error
-        logger.warning("rdt: rank %d never asked for the data of object %s: %s", rank, obj_id.hex(), e)
-        return
-    try:
+        go.wait(max(deadline - time.monotonic(), 1e-3))
         works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
-    except Exception as e:  # noqa: BLE001 - the group was aborted meanwhile
-        logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+    except Exception as e:  # noqa: BLE001 - the consumer timed out or died, or the group was aborted meanwhile
+        _send_failed(group, obj_id, rank, e)
         return
-    _finish_sends(works, buffers, timeout, obj_id, rank)
+    _finish_sends(works, group, buffers, deadline, obj_id, rank)
 
 
-def _finish_sends(works: List[Any], keepalive: List[torch.Tensor], timeout: float, obj_id: bytes, rank: int) -> None:
-    """Wait for posted sends off the control thread; buffers stay referenced until then."""
+def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], deadline: float, obj_id: bytes,
+                  rank: int) -> None:
+    """Wait for posted sends off the control thread; buffers stay referenced until then.
+
+    A failed send leaves the group ERRORED here as well (after a timeout the backend is aborted too, so the
+    group's other members fail fast): the backend's state is unknown, the next collective must not use it.
+    """
     for w in works:
         try:
-            w.wait(timeout)
-        except Exception as e:  # the consumer sees its own error; log ours with context
-            logger.warning("rdt: sending object %s to rank %d failed: %s", obj_id.hex(), rank, e)
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+        except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
+            _send_failed(group, obj_id, rank, e)
             return
     del keepalive
+
+
+def _send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> None:
+    """Log a failed object send with its context and mark the group ERRORED (not after an abort or destroy)."""
+    logger.warning("rdt: group=%s rank=%d: sending object %s to rank %d failed: %s", group.name, group.rank,
+                   obj_id.hex(), rank, cause)
+    if isinstance(cause, GroupDestroyedError):
+        return
+    cls = CollectiveTimeoutError if isinstance(cause, TimeoutError) else CommunicationError
+    group.fail(cls(f"sending object {obj_id.hex()[:16]} to rank {rank} failed: {cause}", group=group.name,
+                   rank=group.rank, peer=rank, op="object send", object_id=obj_id.hex(),
+                   hint="the consumer did not receive in time or died; destroy the group on every member and "
+                   "create it again"))
 
 
 # ------------------------------------------------------------------------------------------------ consumer
@@ -162,7 +177,9 @@ def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef
                            deadline: float) -> List[torch.Tensor]:
     n = len(meta.buffers)
     tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message
-    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!II", group.rank, tag_base)
+    # The producer waits as long as we do: our time left, as relative milliseconds (clocks differ across hosts).
+    wait_ms = min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
+    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!III", group.rank, tag_base, wait_ms)
     control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                     payload, max(deadline - time.monotonic(), 1e-3))
     device = site.cuda_device if site.cuda_device is not None and any(

@@ -210,6 +210,11 @@ class ShmAllreduce:
             start += size
         return out
 
+    def fail(self) -> None:
+        """Tell peers this rank gave up (the group errored or was aborted): their waits on it end within a slice."""
+        if not self._closed:
+            self._barrier.fail()
+
     def close(self) -> None:
         """Close the barrier, unmap everything and unlink my segments; idempotent."""
         self._closed = True

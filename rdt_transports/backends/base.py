@@ -23,6 +23,16 @@ if TYPE_CHECKING:
     from .._rendezvous import Rendezvous
 
 
+# Tag layout (31 bits): kind (2 bits) << TAG_KIND_SHIFT | payload; the kinds are named in rdt_transports.group.
+TAG_KIND_SHIFT = 29
+TAG_KIND_OBJECT = 2  # rdt object transfers: backends may wait on them apart from collectives
+
+
+def is_object_tag(tag: int) -> bool:
+    """Whether ``tag`` belongs to an rdt object transfer (not to a collective or a user p2p call)."""
+    return (tag >> TAG_KIND_SHIFT) == TAG_KIND_OBJECT
+
+
 @dataclass(frozen=True)
 class BackendConfig:
     """Everything a backend needs to join its group."""

@@ -31,8 +31,10 @@ from ..errors import (
 from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
 from ._shm_allreduce import ShmAllreduce
 from ._shm_barrier import ShmBarrier
-from .base import Backend, BackendConfig, NativeCollectives, Work
+from .base import Backend, BackendConfig, NativeCollectives, Work, is_object_tag
 
+COLLECTIVE_WAITERS = 16  # threads that wait on collectives and user p2p calls, per group
+OBJECT_WAITERS = 32  # threads that wait on rdt object sends and receives, per group: never starve collectives
 SHM_MIN_BYTES = 1  # on one node the shared-memory path beats Gloo at every size (4 KiB, 4 ranks: ~1 ms vs ~7 ms)
 
 logger = logging.getLogger("rdt_transports")
@@ -93,9 +95,11 @@ class _GlooWork(Work):
             raise GroupDestroyedError(f"{self._op} ended: the group was aborted", peer=self._peer, op=self._op,
                                       hint="destroy the group and create it again")
 
-    def _gloo_wait(self, timeout: float) -> None:
+    def _gloo_wait(self, deadline: float) -> None:
+        """Gloo's own wait until ``deadline`` (monotonic; time spent queued for a waiter thread counts)."""
+        timeout = max(deadline - time.monotonic(), 0.001)
         try:
-            self._work.wait(timedelta(seconds=max(timeout, 0.001)))
+            self._work.wait(timedelta(seconds=timeout))
         except RuntimeError as e:
             raise classify(e, op=self._op, peer=self._peer, timeout=timeout) from e
 
@@ -106,8 +110,8 @@ class _GlooWork(Work):
             spin_until = time.monotonic() + self.SPIN_S
             while time.monotonic() < spin_until:
                 if self._work.is_completed():
-                    return self._gloo_wait(deadline - time.monotonic())
-        future = self._pool.submit(self._gloo_wait, deadline - time.monotonic())
+                    return self._gloo_wait(deadline)
+        future = self._pool.submit(self._gloo_wait, deadline)
         # Not future.result(timeout=...): its TimeoutError is the builtin one, which our own
         # CollectiveTimeoutError also is, so an except clause could not tell them apart.
         while not futures_wait([future], timeout=0.05).done:
@@ -214,7 +218,11 @@ class GlooBackend(Backend):
         except RuntimeError as e:
             raise classify(e, op="init", peer=None, timeout=config.timeout) from e
         self._aborted = threading.Event()
-        self._waiters = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"rdt-gloo-{config.group_name}")
+        # Two bounded pools: object transfers that wait on slow consumers never hold the threads collectives need.
+        self._waiters = ThreadPoolExecutor(max_workers=COLLECTIVE_WAITERS,
+                                           thread_name_prefix=f"rdt-gloo-{config.group_name}")
+        self._object_waiters = ThreadPoolExecutor(max_workers=OBJECT_WAITERS,
+                                                  thread_name_prefix=f"rdt-gloo-obj-{config.group_name}")
         self._native = _GlooNative(self.pg, config.world_size, self._aborted, self._waiters)
         self._native.shm = self._single_node_shm(config)
         self._closed = False
@@ -261,16 +269,31 @@ class GlooBackend(Backend):
         return ShmAllreduce(config.group_uid, config.rank, pids, config.secret, barrier)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self.pg.send([tensor], peer, tag), "send", peer, self._aborted, self._waiters, spin=False)
+        return self._p2p("send", self.pg.send, tensor, peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self.pg.recv([tensor], peer, tag), "recv", peer, self._aborted, self._waiters, spin=False)
+        return self._p2p("recv", self.pg.recv, tensor, peer, tag)
+
+    def _p2p(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        """Post a send/recv; a pair already closed (peer gone, group aborted) raises a typed error at once."""
+        if self._aborted.is_set():
+            raise GroupDestroyedError(f"{op} refused: the group was aborted", peer=peer, op=op,
+                                      hint="destroy the group and create it again")
+        try:
+            work = post([tensor], peer, tag)
+        except RuntimeError as e:
+            raise classify(e, op=op, peer=peer, timeout=self.config.timeout) from e
+        pool = self._object_waiters if is_object_tag(tag) else self._waiters
+        return _GlooWork(work, op, peer, self._aborted, pool, spin=False)
 
     def native(self) -> Optional[NativeCollectives]:
         return self._native
 
     def abort(self) -> None:
+        """Fail local waits, tell same-node peers through the shared-memory barrier, and close Gloo's pairs."""
         self._aborted.set()
+        if self._native.shm is not None:
+            self._native.shm.fail()
         try:
             self.pg.abort()
         except Exception:  # abort is best effort by contract
@@ -283,6 +306,7 @@ class GlooBackend(Backend):
         if self._native.shm is not None:
             self._native.shm.close()
         self._waiters.shutdown(wait=False)
+        self._object_waiters.shutdown(wait=False)
         try:
             self.pg.shutdown()
         except Exception:
