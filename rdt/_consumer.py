@@ -62,6 +62,9 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     return unflatten(meta.skeleton, leaves)
 
 
+_NOWHERE = Site(same_node=False, in_actor=False, task_argument=False)  # for self-contained objects: no lookups
+
+
 def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None) -> Site:
     """Where this process stands relative to ``meta``'s producer."""
     groups: Dict[str, Tuple[Any, Any]] = {}
@@ -118,7 +121,7 @@ def fetch(ctx: Any, meta: ObjectMeta) -> Tuple[Fetched, str]:
     """The object's buffers in this process, and the name of the transport that served them."""
     carrier = _self_contained(meta)
     if carrier is not None:
-        return carrier.fetch(ctx, meta, site_for(meta), time.monotonic()), carrier.name
+        return carrier.fetch(ctx, meta, _NOWHERE, time.monotonic()), carrier.name  # the bytes are in meta
     timeout = meta.timeout or ctx.config.transfer_timeout
     deadline = time.monotonic() + timeout
     site = site_for(meta)

@@ -183,7 +183,7 @@ def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
     do_map = info.map if map_only is None else map_only
     mapped = [_open(b, visible[b.device_uuid]) for b in info.buffers]
     if do_map:
-        return mapped  # resolve() pins the object's lifetime token on the leaves (keep_alive)
+        return mapped  # the consumer core pins the object's lifetime token on every leaf (Fetched.keepalive)
     target = device if device is not None else target_device()
     if target is None:
         raise UnsupportedError("CUDA IPC needs a CUDA device in the consumer",
@@ -201,13 +201,3 @@ def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
     stream.synchronize()  # done reading the producer's memory before the mapping is dropped
     del mapped
     return out
-
-
-def keep_alive(leaves: List[Any], token: Any) -> None:
-    """Mapped leaves hold the object's lifetime token, so the producer keeps the memory they view."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            try:
-                leaf._rdt_keepalive = token
-            except (AttributeError, TypeError):  # a tensor subclass without __dict__
-                pass
