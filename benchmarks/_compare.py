@@ -80,6 +80,7 @@ def compare_runs(path_a: Path, path_b: Path) -> str:
         gmean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
         out.append(f"\n{len(speedups)} cells in both runs; geometric mean speed-up {gmean:.2f}x")
     out += _mechanism_changes(a, b)
+    out += _unlabelled(a, b)
     if failed:
         out += ["", "== failed in A or B =="] + failed
     only_a = sorted((c for c in a if c not in b), key=_sort_key)
@@ -101,6 +102,25 @@ def _mechanism_changes(a: Dict[Cell, Dict[str, Any]], b: Dict[Cell, Dict[str, An
         if cb is not None and _ok(a[ca]) and _ok(b[cb]):
             lines.append(f"{_name(ca)} -> {cb[2]}: {b[cb]['gbps'] / a[ca]['gbps']:.2f}x (cross-mechanism)")
     return (["", "== same case, different mechanism (A -> B) =="] + lines) if lines else []
+
+
+def _unlabelled(a: Dict[Cell, Dict[str, Any]], b: Dict[Cell, Dict[str, Any]]) -> List[str]:
+    """Cells of a run recorded before labels ('?' mechanism and mode), matched by (suite, impl, size, world size)
+    with the other run's cells of every mode: which mode and mechanism the old run measured is unknown."""
+    def case(c: Cell) -> Tuple[Any, ...]:
+        return c[0], c[1], c[3], c[4]
+
+    def old(c: Cell) -> bool:
+        return c[2] == "?" and c[5] == "?"
+
+    lines = []
+    for ca in sorted(a, key=_sort_key):
+        for cb in sorted(b, key=_sort_key):
+            if ca != cb and case(ca) == case(cb) and (old(ca) != old(cb)) and _ok(a[ca]) and _ok(b[cb]):
+                lines.append(f"{_name(cb if old(ca) else ca)}  {b[cb]['gbps'] / a[ca]['gbps']:6.2f}x  ("
+                             f"{'A' if old(ca) else 'B'} recorded without labels)")
+    return (["", "== matched across a run recorded without labels (mode and mechanism unknown there) =="]
+            + lines) if lines else []
 
 
 def _status(r: Mapping[str, Any]) -> str:

@@ -254,6 +254,17 @@ def test_compare_two_runs(tmp_path: Path) -> None:
     only_b = out.split("== only in B (2) ==")[1]
     assert "rdt-nixl" in only_b and "cma" in only_b
 
+    # A run recorded before labels existed: matched by (suite, impl, size, world size) to every mode of the other
+    legacy = {k: v for k, v in _row("p2p", "rdt-gloo", "gloo", 4 * KiB, 200.0, "barrier").items()
+              if k not in ("mechanism", "mode")}
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps({"machine": {"date": "2026-11-21"}, "results": [legacy]}))
+    proc = _bench("--compare", str(old_path), paths[1], timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    matched = proc.stdout.split("recorded without labels (mode and mechanism unknown there) ==")[1]
+    hits = [ln for ln in matched.splitlines() if "rdt-gloo" in ln and "A recorded without labels" in ln]
+    assert len(hits) == 2 and any("2.00x" in h for h in hits) and any("0.20x" in h for h in hits), matched
+
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     proc = _bench("--compare", paths[0], str(bad), timeout=60, env=env)
