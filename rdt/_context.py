@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
@@ -124,6 +124,7 @@ class RdtContext:
         self._producer_light: Optional[ProducerInfo] = None  # the same without the actor handle (inline objects)
         self._tokens: Optional[_TokenPool] = None
         self._tag_counters: Dict[str, int] = {}
+        self._transport_states: Dict[str, Any] = {}
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
@@ -281,6 +282,15 @@ class RdtContext:
     def resolve(self, meta: ObjectMeta) -> Any:
         """Rebuild the value ``meta`` stands for in this process (see ``_consumer``)."""
         return _consumer.resolve(self, meta)
+
+    def transport_state(self, name: str, factory: Callable[[], Any]) -> Any:
+        """Process-wide state a transport keeps (a registration or share cache), made on first use; it lives as
+        long as this context (a forked child, which gets a new context, starts without it)."""
+        with self._lock:
+            state = self._transport_states.get(name)
+            if state is None:
+                state = self._transport_states[name] = factory()
+            return state
 
     def cma_readable(self) -> bool:
         """Whether same-node consumers can likely read this process's memory (else "shm" writes a segment)."""

@@ -21,10 +21,12 @@ Mechanism (torch's own CUDA IPC, the one ``torch.multiprocessing`` uses):
     is alive. Views derived from it do not hold the token, so keep the leaf (or the ObjectRef) alive for as
     long as you use them.
 
-* Lifetime: torch counts one pending "message" per ``_share_cuda_`` call and keeps a freed block in limbo
-  until that count drops to zero. An object may be read by any number of consumers, or by none. So the
-  producer settles its own export when the object is freed (:func:`release`). Until then the table entry
-  keeps the memory alive anyway. Blocks are never parked in limbo and never leak.
+* Lifetime: torch counts one pending "message" per ``_share_cuda_`` call (with a reference slot and an
+  inter-process event each) and keeps a freed block in limbo until that count drops to zero. So a storage is
+  shared once, however many objects use it (weights returned every step share one export), through the
+  process's :class:`ShareCache`, and the share is settled when the last object using it is freed
+  (:func:`release`). Until then the cache keeps the storage alive. Blocks are never parked in limbo and never
+  leak, and the number of shares is bounded by the storages live objects hold.
 
 Limits: same node only. The producer's GPU must be visible to the consumer (by UUID); otherwise ``auto`` picks
 another path and an explicit ``"cuda_ipc"`` fails with a fix. Memory that did not come from torch's caching
@@ -37,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -119,39 +121,113 @@ def target_device() -> Optional[torch.device]:
 
 
 # ------------------------------------------------------------------------------------------------ producer
-def _share(buf: torch.Tensor) -> IpcBuffer:
+ShareKey = Tuple[int, int, int]  # (device index, storage address, storage bytes)
+
+
+class ShareCache:
+    """One CUDA IPC share per storage, however many live objects (or returns of the same weights) use it.
+
+    torch adds a reference slot and an inter-process event for every ``_share_cuda_`` call, so sharing at every
+    return of weights returned each step grows both without bound (and past torch's event cap every export
+    synchronises). Here a storage is shared on its first use, counted per object, and its share settled when the
+    last object using it is freed. The storage itself is held while shared, so its address cannot be reused.
+    ``share``/``settle`` are injected (torch's in production) so the bookkeeping is tested without CUDA.
+    """
+
+    def __init__(self, share: Callable[[Any], Tuple[Any, ...]], settle: Callable[[Tuple[Any, ...]], None]) -> None:
+        self._share = share
+        self._settle = settle
+        self._lock = threading.Lock()
+        self._live: Dict[ShareKey, List[Any]] = {}  # key -> [share tuple, users, storage]
+
+    def acquire(self, key: ShareKey, storage: Any) -> Tuple[Any, ...]:
+        """The share of ``storage`` (made now if it is not shared yet); one more user."""
+        with self._lock:
+            known = self._live.get(key)
+            if known is None:
+                known = self._live[key] = [self._share(storage), 0, storage]
+            known[1] += 1
+            return known[0]
+
+    def release(self, key: ShareKey) -> None:
+        """One user fewer; the last one settles the share. Never raises."""
+        with self._lock:
+            known = self._live.get(key)
+            if known is None:
+                return
+            known[1] -= 1
+            if known[1] > 0:
+                return
+            del self._live[key]
+        try:
+            self._settle(known[0])
+        except Exception:  # noqa: BLE001 - freeing must never fail
+            logger.debug("rdt: settling a CUDA IPC share failed", exc_info=True)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+
+def _share_storage(storage: Any) -> Tuple[Any, ...]:
+    return tuple(storage._share_cuda_())
+
+
+def _settle_share(share: Tuple[Any, ...]) -> None:
+    """Settle torch's per-share counter so the block is not kept in limbo after the object is freed."""
+    dev, _handle, _size, _offset, rc_handle, rc_offset = share[:6]
+    torch.UntypedStorage._release_ipc_counter(rc_handle, rc_offset, device=dev)
+
+
+def new_share_cache() -> ShareCache:
+    """A process's cache of CUDA IPC shares (kept by the context; a forked child starts with a new one)."""
+    return ShareCache(_share_storage, _settle_share)
+
+
+def _key(buf: torch.Tensor) -> ShareKey:
     storage = buf.untyped_storage()
-    (dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = storage._share_cuda_()
+    return buf.get_device(), storage.data_ptr(), storage.nbytes()
+
+
+def _describe(buf: torch.Tensor, share: Tuple[Any, ...]) -> IpcBuffer:
+    (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = share
     index = buf.get_device()
     return IpcBuffer(_device_uuid(index), index, bytes(handle), int(size), int(offset), bytes(rc_handle),
                      int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync),
                      buf.storage_offset() * buf.element_size(), buf.numel() * buf.element_size())
 
 
-def export(entry: Any, ipc_map: bool = False) -> CudaIpcInfo:
-    """Share every buffer of ``entry`` (all CUDA); remembered on the entry so :func:`release` can settle it."""
+def export(entry: Any, cache: ShareCache, ipc_map: bool = False) -> CudaIpcInfo:
+    """Describe every buffer of ``entry`` (all CUDA) through ``cache``; the keys it used are kept on the entry so
+    :func:`release` returns them when the object is freed."""
     items: List[IpcBuffer] = []
+    keys: List[ShareKey] = []
     bufs = entry.flat.buffers
-    for i, buf in enumerate(bufs):
-        try:
-            items.append(_share(buf))
-        except RuntimeError as e:  # not caching-allocator memory (e.g. a cupy array): share a torch copy
-            logger.debug("rdt: buffer %d cannot be shared in place (%s); sharing a copy", i, e)
-            bufs[i] = buf.clone()
-            items.append(_share(bufs[i]))
+    try:
+        for i, buf in enumerate(bufs):
+            try:
+                share = cache.acquire(_key(buf), buf.untyped_storage())
+            except RuntimeError as e:  # not caching-allocator memory (e.g. a cupy array): share a torch copy
+                logger.debug("rdt: buffer %d cannot be shared in place (%s); sharing a copy", i, e)
+                bufs[i] = buf = buf.clone()
+                share = cache.acquire(_key(buf), buf.untyped_storage())
+            keys.append(_key(buf))
+            items.append(_describe(buf, share))
+    except BaseException:
+        for key in keys:
+            cache.release(key)
+        raise
     info = CudaIpcInfo(tuple(items), bool(ipc_map))
-    entry.exports["cuda_ipc"] = info
+    entry.exports["cuda_ipc"] = (info, tuple(keys))
     return info
 
 
-def release(info: CudaIpcInfo) -> None:
-    """Producer side, when the object is freed: settle torch's per-share counter so the block is not kept."""
-    for b in info.buffers:
-        try:
-            torch.UntypedStorage._release_ipc_counter(b.ref_counter_handle, b.ref_counter_offset,
-                                                      device=b.device_index)
-        except Exception:  # noqa: BLE001 - freeing must never fail
-            pass
+def release(entry: Any, cache: ShareCache) -> None:
+    """Producer side, when the object is freed: its storages' shares lose a user (the last settles them)."""
+    known = entry.exports.pop("cuda_ipc", None)
+    if known is not None:
+        for key in known[1]:
+            cache.release(key)
 
 
 # ------------------------------------------------------------------------------------------------ consumer

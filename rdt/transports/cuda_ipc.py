@@ -24,10 +24,11 @@ class CudaIpcTransport(Transport):
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[_cuda_ipc.CudaIpcInfo]:
         ipc_map = bool(entry.options.get("ipc_map"))
+        cache = ctx.transport_state(self.name, _cuda_ipc.new_share_cache)
         if chosen == "cuda_ipc":
-            return _cuda_ipc.export(entry, ipc_map)
+            return _cuda_ipc.export(entry, cache, ipc_map)
         try:  # auto: an extra path, never a reason to fail the return
-            return _cuda_ipc.export(entry, ipc_map)
+            return _cuda_ipc.export(entry, cache, ipc_map)
         except Exception as e:  # noqa: BLE001
             logger.debug("rdt: no CUDA IPC export for %s: %s", entry.obj_id.hex(), e)
             return None
@@ -60,6 +61,5 @@ class CudaIpcTransport(Transport):
                        keepalive=meta.token if info.map else None)
 
     def release(self, ctx: Any, entry: Any) -> None:
-        info = entry.exports.pop("cuda_ipc", None)
-        if info is not None:
-            _cuda_ipc.release(info)
+        if "cuda_ipc" in entry.exports:
+            _cuda_ipc.release(entry, ctx.transport_state(self.name, _cuda_ipc.new_share_cache))

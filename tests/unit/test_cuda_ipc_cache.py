@@ -1,0 +1,100 @@
+"""CUDA IPC shares once per storage, released with the last object that uses it: the bookkeeping, without CUDA.
+
+torch's ``_share_cuda_`` and its settling are injected, so this runs on CPU CI; tests/test_gpu.py runs the real
+path on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any, List, Tuple
+
+import torch
+
+from rdt import _cuda_ipc
+
+
+class _Torch:
+    """Stands in for torch's share/settle: counts calls and hands out distinct shares."""
+
+    def __init__(self) -> None:
+        self.shared: List[Any] = []
+        self.settled: List[Tuple[Any, ...]] = []
+
+    def share(self, storage: Any) -> Tuple[Any, ...]:
+        self.shared.append(storage)
+        return ("share", len(self.shared))
+
+    def settle(self, share: Tuple[Any, ...]) -> None:
+        self.settled.append(share)
+
+
+def test_weights_returned_every_step_are_shared_once():
+    """10 000 returns of the same storage (objects alive two at a time): one share, settled once at the end."""
+    fake = _Torch()
+    cache = _cuda_ipc.ShareCache(fake.share, fake.settle)
+    storage = torch.empty(16).untyped_storage()
+    key = (0, storage.data_ptr(), storage.nbytes())
+    assert cache.acquire(key, storage) == ("share", 1)
+    for _ in range(10_000):
+        assert cache.acquire(key, storage) == ("share", 1)  # the next step's object, while the last one lives
+        cache.release(key)  # the last step's object is freed
+        assert len(cache) == 1
+    assert fake.shared == [storage] and fake.settled == []
+    cache.release(key)
+    assert fake.settled == [("share", 1)] and len(cache) == 0
+    cache.release(key)  # a stray release is harmless
+    assert fake.settled == [("share", 1)]
+
+
+def test_storages_are_counted_apart_and_shared_again_after_release():
+    fake = _Torch()
+    cache = _cuda_ipc.ShareCache(fake.share, fake.settle)
+    a, b = torch.empty(8).untyped_storage(), torch.empty(8).untyped_storage()
+    ka, kb = (0, a.data_ptr(), a.nbytes()), (0, b.data_ptr(), b.nbytes())
+    cache.acquire(ka, a)
+    cache.acquire(kb, b)
+    cache.release(ka)
+    assert fake.settled == [("share", 1)] and len(cache) == 1
+    assert cache.acquire(ka, a) == ("share", 3)  # freed, so a later object shares it afresh
+    assert len(fake.shared) == 3
+
+
+def test_release_with_the_object_returns_every_key_and_a_failing_settle_is_contained():
+    fake = _Torch()
+
+    def settle(share: Tuple[Any, ...]) -> None:
+        fake.settle(share)
+        raise RuntimeError("driver went away")
+
+    cache = _cuda_ipc.ShareCache(fake.share, settle)
+    storages = [torch.empty(4).untyped_storage() for _ in range(3)]
+    keys = tuple((0, s.data_ptr(), s.nbytes()) for s in storages)
+    for k, s in zip(keys, storages):
+        cache.acquire(k, s)
+    entry = SimpleNamespace(exports={"cuda_ipc": (None, keys)})
+    _cuda_ipc.release(entry, cache)  # never raises, even though settling fails
+    assert "cuda_ipc" not in entry.exports and len(cache) == 0 and len(fake.settled) == 3
+
+
+def test_concurrent_returns_and_frees_share_each_storage_once():
+    fake = _Torch()
+    cache = _cuda_ipc.ShareCache(fake.share, fake.settle)
+    storage = torch.empty(4).untyped_storage()
+    key = (0, storage.data_ptr(), storage.nbytes())
+    cache.acquire(key, storage)  # one object lives throughout
+
+    def churn() -> None:
+        for _ in range(2000):
+            cache.acquire(key, storage)
+            cache.release(key)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(fake.shared) == 1 and fake.settled == []
+    cache.release(key)
+    assert len(fake.settled) == 1
