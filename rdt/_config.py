@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, replace
 
 TRANSPORTS = ("gloo", "nccl", "nixl", "shm", "cuda_ipc", "object_store", "auto")
-COLLECTIVE_TRANSPORTS = ("gloo", "nccl")
 
 
 def _env_float(name: str, default: float) -> float:

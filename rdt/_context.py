@@ -147,8 +147,6 @@ class RdtContext:
     def _reap_loop(self, period: float = 30.0) -> None:
         """Unlink shm segments left by processes on this node that died (killed before they could clean up), and
         our own pooled segments that waited too long for reuse."""
-        import time
-
         last_reap = time.monotonic()
         while not self._stopped.wait(min(period, max(self.shm_pool.ttl / 2, 1.0))):
             try:

@@ -102,7 +102,6 @@ def run_exit_hooks() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _installed_pid
     with _lock:
         _stoppers.clear()  # the parent's: its threads do not exist here, its resources are not ours
         _threads.clear()
@@ -116,7 +115,7 @@ def _after_fork_in_child() -> None:
 
 
 def _install() -> None:
-    """Hook into interpreter exit (once per process) and fork (once)."""
+    """Hook into interpreter exit and fork, once (a forked child inherits both hooks, and they check the pid)."""
     global _installed_pid
     with _lock:
         if _installed_pid is not None:

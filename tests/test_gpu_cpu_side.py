@@ -5,7 +5,6 @@ data paths are in tests/test_gpu.py.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pickle
 import sys

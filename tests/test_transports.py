@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
 import rdt
 from rdt import transports
