@@ -13,6 +13,7 @@ _BUILTIN: Dict[str, Tuple[str, str]] = {
     "nixl": ("rdt_transports.backends.nixl", "NixlBackend"),
     "ucx": ("rdt_transports.backends.ucx", "UcxBackend"),
     "nccl": ("rdt_transports.backends.nccl", "NcclBackend"),
+    "tcp": ("rdt_transports.backends.tcp", "TcpBackend"),
 }
 
 

@@ -1,8 +1,8 @@
 """An in-process wire with NCCL's matching rule, for CPU tests: per direction, the k-th send meets the k-th recv.
 
 Tags are ignored and sizes are not checked (the copy takes the shorter length), exactly what NCCL's directional
-communicators do. ``FifoBackend`` is today's NCCL point-to-point design over it (tags ignored, the group adds its
-size handshake); the matcher tests run :class:`rdt_transports.backends._matching.Matcher` over ``FifoWire``.
+communicators do. ``MatchedFifoBackend`` is the NCCL backend's p2p design after issue 13: the matcher
+(:class:`rdt_transports.backends._matching.Matcher`) over ``FifoWire``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, Optional, Tuple
+import uuid
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from rdt_transports.backends._matching import Matcher, OrderedWire, WireOp
 from rdt_transports.backends.base import Backend, BackendConfig, Work
 from rdt_transports.errors import CollectiveTimeoutError, GroupDestroyedError
 from rdt_transports.types import Capabilities
@@ -75,38 +77,6 @@ class FifoHub:
         for op in ops:
             op.error = GroupDestroyedError(f"direction {src}->{dst} was aborted")
             op.event.set()
-
-
-class _FifoWork(Work):
-    def __init__(self, op: FifoOp, what: str) -> None:
-        self._op = op
-        self._what = what
-
-    def wait(self, timeout: float) -> None:
-        if not self._op.wait(time.monotonic() + timeout):
-            raise CollectiveTimeoutError(f"{self._what} did not complete within {timeout:.2f}s", op=self._what)
-
-    def is_completed(self) -> bool:
-        return self._op.done()
-
-
-class FifoBackend(Backend):
-    """Today's NCCL p2p design on the hub: tags ignored, matching in posting order, no size check."""
-
-    capabilities = Capabilities(name="fifo", devices=frozenset({"cpu"}), checks_p2p_sizes=False)
-
-    def __init__(self, config: BackendConfig, hub: FifoHub) -> None:
-        super().__init__(config)
-        self.hub = hub
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _FifoWork(self.hub.post(self.rank, peer, tensor, True), "send")
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return _FifoWork(self.hub.post(peer, self.rank, tensor, False), "recv")
-
-    def shutdown(self) -> None:
-        pass
 
 
 class LocalRendezvous:
@@ -172,3 +142,84 @@ def wait_until(predicate: Any, timeout: float = 2.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+class _FifoWireOp(WireOp):
+    def __init__(self, op: FifoOp, peer: int) -> None:
+        self._op = op
+        self._peer = peer
+
+    def wait(self, deadline: float) -> None:
+        if not self._op.wait(deadline):
+            raise CollectiveTimeoutError(f"the wire op with rank {self._peer} did not complete", peer=self._peer)
+
+    def done(self) -> bool:
+        return self._op.done()
+
+
+class FifoWire(OrderedWire):
+    """The hub as an OrderedWire for one rank: what the NCCL backend's directional communicators are."""
+
+    def __init__(self, hub: FifoHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+
+    def prepare(self, tensor: torch.Tensor, peer: int, send: bool) -> Any:
+        return tensor
+
+    def post_send(self, prepared: Any, peer: int, tag: int) -> WireOp:
+        return _FifoWireOp(self.hub.post(self.rank, peer, prepared, True), peer)
+
+    def post_recv(self, prepared: Any, peer: int, tag: int) -> WireOp:
+        return _FifoWireOp(self.hub.post(peer, self.rank, prepared, False), peer)
+
+    def fail_peer(self, peer: int, error: BaseException) -> None:
+        self.hub.abort(self.rank, peer)
+        self.hub.abort(peer, self.rank)
+
+
+class MatchedFifoBackend(Backend):
+    """The NCCL backend's p2p design after issue 13: the matcher's RTS/CTS over sockets, data on the FIFO wire."""
+
+    capabilities = Capabilities(name="fifo", devices=frozenset({"cpu"}), checks_p2p_sizes=True)
+
+    def __init__(self, config: BackendConfig, hub: FifoHub) -> None:
+        super().__init__(config)
+        self.hub = hub
+        self.matcher = Matcher(config, FifoWire(hub, config.rank), label="fifo", backend="fifo")
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return self.matcher.isend(tensor, peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return self.matcher.irecv(tensor, peer, tag)
+
+    def abort(self) -> None:
+        self.matcher.abort()
+
+    def shutdown(self) -> None:
+        self.matcher.close()
+
+
+def make_ranks(cls: Any, world: int, timeout: float, secret: bytes, *extra: Any,
+               secrets: Optional[Dict[int, bytes]] = None) -> List[Any]:
+    """``world`` backends of one fresh group, each built on its own thread (init connects the ranks)."""
+    rdv = LocalRendezvous()
+    uid = uuid.uuid4().hex
+    out: List[Any] = [None] * world
+    errors: List[BaseException] = []
+
+    def build(r: int) -> None:
+        try:
+            key = (secrets or {}).get(r, secret)
+            out[r] = cls(BackendConfig("threaded", uid, r, world, timeout, key, rdv), *extra)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            out[r] = e
+
+    threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return out

@@ -1,39 +1,33 @@
 """NCCL's point-to-point design run on CPU: an ordered per-direction wire (tests/unit/_fifo_wire.py) under a group.
 
-``nccl_like_pair`` builds two ranks the way the NCCL backend builds them, with the GPU calls replaced by the
-in-process FIFO wire; these tests show what goes wrong when matching is by posting order instead of (peer, tag).
+``nccl_like_pair`` builds two ranks the way the NCCL backend builds them (the matcher's RTS/CTS over real sockets,
+data on an ordered wire), with the GPU calls replaced by the in-process FIFO wire. Before issue 13 was fixed these
+failed: tags were ignored and the group's size handshake ran over the wire in posting order.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
 
-from rdt_transports.backends.base import BackendConfig
 from rdt_transports.errors import CollectiveTimeoutError
 from rdt_transports.group import GO_MIN_BYTES, CollectiveGroup
 
-from ._fifo_wire import CountingBackend, FifoBackend, FifoHub, LocalRendezvous, wait_until
+from ._fifo_wire import CountingBackend, FifoHub, MatchedFifoBackend, make_ranks, wait_until
 
 SECRET = b"ordered-wire-test-secret-0123456789"
 TIMEOUT = 5.0
 
 
 def nccl_like_pair(timeout: float = TIMEOUT) -> Tuple[Any, Any]:
-    """Rank 0 and rank 1 of a group built like the NCCL backend (ordered wire per direction)."""
-    hub = FifoHub()
-    rdv = LocalRendezvous()
-    uid = uuid.uuid4().hex
-    cfgs = [BackendConfig("nccl-like", uid, r, 2, timeout, SECRET, rdv) for r in range(2)]  # type: ignore[arg-type]
-    return FifoBackend(cfgs[0], hub), FifoBackend(cfgs[1], hub)
+    """Rank 0 and rank 1 of a group built like the NCCL backend: the matcher over an ordered wire per direction."""
+    b0, b1 = make_ranks(MatchedFifoBackend, 2, timeout, SECRET, FifoHub())
+    return b0, b1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: on an ordered wire the group's verdict receive can take the peer's "
-                   "size header (two threads post on the same direction), the receiver raises and the peer hangs")
 def test_group_send_and_recv_both_ways_from_two_threads() -> None:
     b0, b1 = nccl_like_pair()
     c0, c1 = CountingBackend(b0), CountingBackend(b1)
@@ -66,9 +60,9 @@ def test_group_send_and_recv_both_ways_from_two_threads() -> None:
     # arrives: started in this order, a wire that matches by posting order hands each verdict receive the peer's
     # header. Any order must work when matching is by (peer, tag).
     start(guard("send0", lambda: g0.send(x0, 1)))
-    wait_until(lambda: c0.recvs[1] >= 1)
+    wait_until(lambda: c0.recvs[1] >= 1, 0.5)
     start(guard("send1", lambda: g1.send(x1, 0)))
-    wait_until(lambda: c1.recvs[0] >= 1)
+    wait_until(lambda: c1.recvs[0] >= 1, 0.5)
     start(guard("recv0", lambda: g0.recv(y0, 1)))
     start(guard("recv1", lambda: g1.recv(y1, 0)))
     for t in started:
@@ -83,8 +77,6 @@ def test_group_send_and_recv_both_ways_from_two_threads() -> None:
     assert torch.equal(y0, x1) and torch.equal(y1, x0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: on an ordered wire a timed-out receive stays posted and takes the "
-                   "next message of that direction, so every later message lands one receive early")
 def test_abandoned_receive_does_not_shift_later_messages() -> None:
     b0, b1 = nccl_like_pair()
     try:
