@@ -341,8 +341,13 @@ class Matcher:
             p.fail(err)
 
     def _poison(self, peer: int, err: BaseException) -> None:
-        """The wire's order with ``peer`` is broken: fail what is in flight with it (the group errors)."""
+        """The wire's order with ``peer`` is broken: fail what is in flight with it and close the pair's link, so
+        both sides refuse further traffic on the pair (the group errors, as after any timeout)."""
+        self._fail_peer(peer, err)
         self.wire.fail_peer(peer, err)
+        link = self.links.get(peer)
+        if link is not None:
+            link.close(err)
 
     # ------------------------------------------------------------------ lifecycle
     def abort(self) -> None:
