@@ -59,7 +59,7 @@ def test_nccl_capabilities_without_cuda():
     assert caps.can_abort and caps.two_sided and not caps.one_sided
     assert {"allreduce", "broadcast", "reduce", "allgather", "reducescatter", "gather", "scatter", "alltoall",
             "barrier"} <= caps.native_collectives
-    assert not caps.checks_p2p_sizes  # NCCL does not check sizes: the group adds its handshake
+    assert caps.checks_p2p_sizes  # the shared matcher compares size and dtype before NCCL moves a byte
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the error on machines without CUDA")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import struct
-import threading
 import time
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, List, Optional, Tuple
@@ -153,27 +152,7 @@ def _send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> 
 
 
 # ------------------------------------------------------------------------------------------------ consumer
-_ordered_locks: Dict[Tuple[str, int], threading.Lock] = {}
-_ordered_guard = threading.Lock()
-
-
 def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
-                 deadline: float) -> List[torch.Tensor]:
-    if group.backend_name != "nccl":
-        return _fetch_group_unordered(ctx, meta, group, ref, site, deadline)
-    # NCCL matches a direction's sends and receives in issue order, not by tag: one fetch at a time per
-    # producer, so the producer posts its sends in the order this process posts its receives.
-    with _ordered_guard:
-        lock = _ordered_locks.setdefault((group.uid, ref.rank), threading.Lock())
-    if not lock.acquire(timeout=max(deadline - time.monotonic(), 1e-3)):
-        raise TimeoutError("waited for an earlier NCCL fetch from the same producer until the deadline")
-    try:
-        return _fetch_group_unordered(ctx, meta, group, ref, site, deadline)
-    finally:
-        lock.release()
-
-
-def _fetch_group_unordered(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
                            deadline: float) -> List[torch.Tensor]:
     n = len(meta.buffers)
     tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message

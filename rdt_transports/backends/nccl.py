@@ -29,10 +29,17 @@ Communicators and ordering (no deadlock when two actors send to each other at on
   ``nccl/p2p/<src>-<dst>``). Only ``src`` sends and only ``dst`` receives on it, so a blocked send can only
   wait for a receive that is queued behind receives for earlier sends of the same direction. That rules out
   any cycle. The classic case (A sends to B while B sends to A, each blocking) uses two independent
-  communicators and streams. NCCL matches sends and receives of one direction in issue order, and every
-  communicator has one issuing thread that takes operations in posting order. The group layer posts
-  tags in increasing order on both sides (its p2p counters, symmetric algorithm steps, and the object layer,
-  which serialises its fetches per producer on NCCL groups), so the orders agree.
+  communicators and streams.
+* NCCL matches a direction's sends and receives in issue order and ignores tags, so p2p goes through the shared
+  matcher (:mod:`._matching`): ``isend`` announces RTS(tag, size, dtype) on an authenticated per-pair TCP link,
+  the receiver matches it with its receive by (peer, tag), compares size and dtype, issues its NCCL recv and
+  answers CTS; the sender issues its NCCL send when the CTS arrives (from the link's reader thread). Per
+  direction, CTS order is the order of both sides' NCCL calls, so matching is by (peer, tag) whatever thread
+  posts, in whatever order, and a receive that times out before its match is simply withdrawn. A mismatch
+  fails both sides before NCCL moves a byte; a timeout after the match aborts that pair's communicators.
+  The tcp backend runs the same matcher over its sockets, which is how CI exercises this logic without a GPU.
+* The producer's ordering event is recorded in ``isend``/``irecv``, on the caller's thread and current stream
+  (the NCCL call itself is issued later, from the link's reader thread and then the communicator's thread).
 * Every communicator has a dedicated CUDA stream. Before an operation is issued, its stream waits on an event
   recorded on the caller's current stream, so the NCCL kernel sees what the caller wrote. The tensor is
   ``record_stream``-ed so the caching allocator never reuses it early. ``Work.wait`` blocks the CPU until the
@@ -42,10 +49,13 @@ Communicators and ordering (no deadlock when two actors send to each other at on
   only wait on Python events and CUDA events under the deadline. On timeout, or when
   ``ncclCommGetAsyncError`` reports a failure (for example a dead peer), the communicator is aborted and
   :class:`CollectiveTimeoutError` or :class:`PeerUnavailableError` is raised. The group then marks itself
-  ERRORED.
+  ERRORED. ``destroy`` runs on the communicator's thread too. Limit: cupy binds only the blocking
+  ``ncclCommInitRank`` (no ``ncclCommInitRankConfig`` with ``blocking=0``), so an abort during init cannot
+  interrupt it: the waiter returns at its deadline and the communicator is aborted as soon as init returns
+  (the thread stays in NCCL's bootstrap until then).
 
-NCCL does not check sizes, so ``checks_p2p_sizes`` is False and the group adds its size/dtype handshake.
-The handshake's small CPU header tensors are staged through the device here. Running several NCCL
+The matcher checks sizes and dtypes, so ``checks_p2p_sizes`` is True and the group adds no handshake. CPU
+tensors handed to p2p (rare) are staged through the device. Running several NCCL
 communicators at once on one GPU is what torch does for its p2p too. NCCL documents it as "may work while the
 kernels fit on the GPU". This backend never holds one communicator's kernel waiting on another's.
 
@@ -64,6 +74,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _lifecycle
 from ..errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
@@ -73,6 +84,7 @@ from ..errors import (
     PeerUnavailableError,
 )
 from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
+from ._matching import Matcher, OrderedWire, WireOp
 from .base import Backend, BackendConfig, NativeCollectives, Work
 
 logger = logging.getLogger(__name__)
@@ -204,11 +216,11 @@ class _Comm:
         self.ready = threading.Event()
         self.error: Optional[BaseException] = None
         self.aborted = False
+        self.failure: Optional[BaseException] = None  # why it was aborted, when the matcher knows (a lost peer)
         self._queue: "collections.deque[Optional[_Op]]" = collections.deque()
         self._cv = threading.Condition()
         self._uid_source = uid_source
-        self._thread = threading.Thread(target=self._loop, name=f"rdt-nccl-{label}", daemon=True)
-        self._thread.start()
+        self._thread = _lifecycle.spawn(self._loop, f"rdt-nccl-{label}")
 
     # -- the communicator's own thread
     def _loop(self) -> None:
@@ -218,6 +230,8 @@ class _Comm:
             self.stream = torch.cuda.Stream(device=self.backend.device)
             uid = self._uid_source()
             self.comm = _new_communicator(nccl, self.world, uid, self.rank)
+            if self.aborted:  # abort() came while ncclCommInitRank blocked: release the communicator now
+                self.comm.abort()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             self.error = e
             self.ready.set()
@@ -228,7 +242,13 @@ class _Comm:
                 while not self._queue:
                     self._cv.wait()
                 op = self._queue.popleft()
-            if op is None:
+            if op is None:  # close(): destroy here, where every other call on the communicator was made
+                if self.comm is not None and not self.aborted:
+                    self.aborted = True
+                    try:
+                        self.comm.destroy()
+                    except Exception:  # noqa: BLE001 - best effort at shutdown
+                        pass
                 return
             if self.aborted or self.error is not None:
                 op.error = self.error or GroupDestroyedError("the NCCL communicator was aborted", op=op.name)
@@ -279,35 +299,95 @@ class _Comm:
                 pass
 
     def close(self) -> None:
+        """Stop the thread; an idle communicator is destroyed on it, a busy one is aborted first (never blocks)."""
         with self._cv:
             idle = not self._queue
             self._queue.append(None)
             self._cv.notify()
-        comm = self.comm
-        if comm is None or self.aborted:
-            return
-        try:
-            if idle:
-                comm.destroy()
-            else:
-                comm.abort()
-        except Exception:  # noqa: BLE001
-            pass
-        self.aborted = True
+        if not idle or not self.ready.is_set():  # ops still queued, or init still running: abort them
+            self.abort()
 
 
-class _NcclWork(Work):
+class _Prepared:
+    """What a p2p op captured on the caller's thread: the device tensor, NCCL count/dtype, the ready event."""
+
+    __slots__ = ("tensor", "count", "dtype", "ready", "after")
+
+    def __init__(self, tensor: torch.Tensor, count: int, dtype: int, ready: torch.cuda.Event,
+                 after: Optional[Callable[[], None]]) -> None:
+        self.tensor = tensor
+        self.count = count
+        self.dtype = dtype
+        self.ready = ready  # recorded on the caller's current stream at post time
+        self.after = after
+
+
+class _NcclWireOp(WireOp):
     def __init__(self, backend: "NcclBackend", comm: _Comm, op: _Op) -> None:
         self._backend = backend
         self._comm = comm
         self._op = op
 
-    def wait(self, timeout: float) -> None:
-        self._backend._wait(self._comm, self._op, timeout)
+    def wait(self, deadline: float) -> None:
+        self._backend._wait(self._comm, self._op, max(deadline - time.monotonic(), 0.0))
 
-    def is_completed(self) -> bool:
+    def done(self) -> bool:
         op = self._op
-        return op.finished or (op.done is not None and op.done.query())
+        return op.finished or op.error is not None or (op.done is not None and op.done.query())
+
+
+class _NcclWire(OrderedWire):
+    """The directional communicators as the matcher's ordered wire: ``src -> dst`` carries only src's sends."""
+
+    def __init__(self, backend: "NcclBackend") -> None:
+        self._b = backend
+
+    def prepare(self, tensor: torch.Tensor, peer: int, send: bool) -> _Prepared:
+        b = self._b
+        after: Optional[Callable[[], None]] = None
+        if send:
+            if not tensor.is_cuda:  # a CPU tensor is staged through the device
+                tensor = tensor.to(f"cuda:{b.device}")
+        elif not tensor.is_cuda:
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=f"cuda:{b.device}")
+
+            def copy_back(dst: torch.Tensor = tensor, src: torch.Tensor = staged) -> None:
+                dst.copy_(src.cpu())
+
+            after, tensor = copy_back, staged
+        tensor = b._device_tensor(tensor, "send" if send else "recv")
+        dt = _nccl_dtype(b._nccl, tensor.dtype)  # unsupported dtypes fail here, on the caller's thread
+        return _Prepared(tensor, tensor.numel(), dt, b._ready_event(), after)
+
+    def post_send(self, prepared: _Prepared, peer: int, tag: int) -> WireOp:
+        b = self._b
+        comm = b._p2p_comm(b.rank, peer)
+        ptr, count, dt = prepared.tensor.data_ptr(), prepared.count, prepared.dtype
+
+        def fn(c: Any, stream: int) -> None:
+            c.send(ptr, count, dt, 1, stream)
+
+        return _NcclWireOp(b, comm, comm.post(_Op("send", peer, fn, [prepared.tensor], prepared.ready)))
+
+    def post_recv(self, prepared: _Prepared, peer: int, tag: int) -> WireOp:
+        b = self._b
+        comm = b._p2p_comm(peer, b.rank)
+        ptr, count, dt = prepared.tensor.data_ptr(), prepared.count, prepared.dtype
+
+        def fn(c: Any, stream: int) -> None:
+            c.recv(ptr, count, dt, 0, stream)
+
+        op = _Op("recv", peer, fn, [prepared.tensor], prepared.ready, prepared.after)
+        return _NcclWireOp(b, comm, comm.post(op))
+
+    def fail_peer(self, peer: int, error: BaseException) -> None:
+        b = self._b
+        for key in ((b.rank, peer), (peer, b.rank)):
+            comm = b._p2p.get(key)
+            if comm is not None:
+                if comm.failure is None:
+                    comm.failure = error
+                comm.abort()
 
 
 class NcclBackend(Backend):
@@ -321,7 +401,7 @@ class NcclBackend(Backend):
         native_collectives=COLLECTIVE_OPS,
         native_reduce_ops=frozenset(ReduceOp),
         can_abort=True,
-        checks_p2p_sizes=False,
+        checks_p2p_sizes=True,  # the matcher compares size and dtype (RTS/CTS) before NCCL moves a byte
         requires="cupy-cuda13x",
     )
 
@@ -357,6 +437,12 @@ class NcclBackend(Backend):
             )
         if self._world.error is not None:
             raise self._classify(self._world.error, "init", None)
+        try:  # p2p control: RTS/CTS over authenticated per-pair TCP links (the data stays on NCCL)
+            self._matcher = Matcher(config, _NcclWire(self), label="nccl", backend="nccl")
+        except BaseException:
+            self._world.close()
+            raise
+        self._stopper = _lifecycle.at_exit(self.shutdown)
 
     # ------------------------------------------------------------------ helpers
     def _classify(self, e: BaseException, op: str, peer: Optional[int]) -> Exception:
@@ -448,6 +534,8 @@ class NcclBackend(Backend):
         delay = _POLL_MIN_S
         while not op.done.query():
             if comm.aborted:
+                if comm.failure is not None:
+                    return comm.failure
                 return GroupDestroyedError(f"NCCL {op.name} was aborted", group=gname, rank=rank, peer=op.peer,
                                            op=op.name)
             msg = comm.async_error()
@@ -467,48 +555,18 @@ class NcclBackend(Backend):
     # ------------------------------------------------------------------ point to point
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         self._check_open("send")
-        if not tensor.is_cuda:  # the group's small CPU handshake headers
-            tensor = tensor.to(f"cuda:{self.device}")
-        tensor = self._device_tensor(tensor, "send")
-        comm = self._p2p_comm(self.rank, peer)
-        nccl = self._nccl
-        count, dt = tensor.numel(), _nccl_dtype(nccl, tensor.dtype)
-        ptr = tensor.data_ptr()
-
-        def fn(c: Any, stream: int) -> None:
-            c.send(ptr, count, dt, 1, stream)
-
-        op = comm.post(_Op("send", peer, fn, [tensor], self._ready_event()))
-        return _NcclWork(self, comm, op)
+        return self._matcher.isend(tensor, peer, tag)  # the wire's prepare() records the ready event here
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         self._check_open("recv")
-        target = tensor
-        after = None
-        if not tensor.is_cuda:  # stage a CPU destination through the device
-            staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=f"cuda:{self.device}")
-
-            def after(dst: torch.Tensor = target, src: torch.Tensor = staged) -> None:
-                dst.copy_(src.cpu())
-
-            tensor = staged
-        tensor = self._device_tensor(tensor, "recv")
-        comm = self._p2p_comm(peer, self.rank)
-        nccl = self._nccl
-        count, dt = tensor.numel(), _nccl_dtype(nccl, tensor.dtype)
-        ptr = tensor.data_ptr()
-
-        def fn(c: Any, stream: int) -> None:
-            c.recv(ptr, count, dt, 0, stream)
-
-        op = comm.post(_Op("recv", peer, fn, [tensor], self._ready_event(), after))
-        return _NcclWork(self, comm, op)
+        return self._matcher.irecv(tensor, peer, tag)
 
     def native(self) -> Optional[NativeCollectives]:
         return self._native
 
     def abort(self) -> None:
         self._aborted = True
+        self._matcher.abort()
         for c in [self._world, *list(self._p2p.values())]:
             c.abort()
 
@@ -516,6 +574,8 @@ class NcclBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        _lifecycle.cancel(self._stopper)
+        self._matcher.close()
         for c in [self._world, *list(self._p2p.values())]:
             c.close()
 
