@@ -31,7 +31,7 @@ from rdt_transports import (
 from . import _collective_cases as cc
 from .conftest import HAS_NIXL, HAS_UCXX
 
-BACKENDS = ("gloo", "nixl", "ucx")
+BACKENDS = ("gloo", "nixl", "ucx", "tcp")
 SLACK_S = 5.0  # how much later than its timeout a failing call may return on a loaded 2-core machine
 
 
@@ -329,7 +329,7 @@ def _mismatch(actors: List[Any], backend: str, name: str, send: Tuple[int, str],
 
 
 @pytest.mark.parametrize("sizes", [(4, 8), (8, 4)], ids=["send-smaller", "send-larger"])
-@pytest.mark.parametrize("backend", ["nixl", "ucx"])
+@pytest.mark.parametrize("backend", ["nixl", "ucx", "tcp"])
 def test_p2p_size_mismatch(ew, backend: str, sizes: Tuple[int, int]) -> None:
     _require(backend)
     _mismatch(ew[:2], backend, f"mm-size-{backend}-{sizes[0]}", (sizes[0], "float32"), (sizes[1], "float32"))
@@ -337,7 +337,7 @@ def test_p2p_size_mismatch(ew, backend: str, sizes: Tuple[int, int]) -> None:
     _mismatch_recovered(ew[:2], backend)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nixl", "ucx"])
+@pytest.mark.parametrize("backend", ["gloo", "nixl", "ucx", "tcp"])
 def test_p2p_dtype_mismatch(ew, backend: str) -> None:
     _require(backend)
     _mismatch(ew[:2], backend, f"mm-dtype-{backend}", (4, "float32"), (4, "int32"))
@@ -415,12 +415,13 @@ def test_recv_timeout_errors_only_that_group(ew, pair_groups, backend: str) -> N
 
 # ---------------------------------------------------------------------------------------------- killed peer
 # What the survivor observes when its peer is killed while it is blocked (asserted exactly per backend):
-# Gloo and UCX notice the closed connection at once; NIXL has no connection to watch, so the call runs into
+# Gloo, UCX and tcp notice the closed connection at once; NIXL has no connection to watch, so the call runs into
 # its timeout.
 KILL_ERRORS: Dict[str, type] = {
     "gloo": PeerUnavailableError,
     "nixl": CollectiveTimeoutError,
     "ucx": PeerUnavailableError,
+    "tcp": PeerUnavailableError,
 }
 KILL_TIMEOUT_S = 5.0
 
@@ -456,6 +457,7 @@ def blocked_call(name: str, op: str, timeout: float) -> None:
     ("gloo", "recv"), ("gloo", "allreduce"),
     ("nixl", "recv"), ("nixl", "allreduce"),
     ("ucx", "recv"), ("ucx", "allreduce"),
+    ("tcp", "recv"), ("tcp", "allreduce"),
 ])
 def test_killed_peer(survivors, backend: str, op: str) -> None:
     _require(backend)

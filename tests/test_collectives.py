@@ -1,4 +1,4 @@
-"""Every collective op x backend (gloo, nixl, ucx) x world size (2, 3, 4) on a real local Ray cluster.
+"""Every collective op x backend (gloo, nixl, ucx, tcp) x world size (2, 3, 4) on a real local Ray cluster.
 
 Four actors are started once for the module and put in one group per (backend, world size) at the same time
 (``{backend}-{n}`` holds the first n actors), so every actor is a member of up to nine groups at once. Each
@@ -6,7 +6,8 @@ test runs one batch of cases inside every rank concurrently: every dtype (float1
 int32, int64, uint8), torch and numpy inputs, shapes (), (5,), (3, 4), (1000,), every applicable ReduceOp and
 rotating (mostly non-zero) roots. The driver rebuilds every rank's deterministic inputs and checks the results
 against torch; numpy results must land in the caller's arrays. Every p2p algorithm runs on every case: on Gloo
-it must match Gloo's native result on the same inputs, on nixl/ucx (with 'auto' too) the torch result.
+it must match Gloo's native result on the same inputs, on nixl/ucx/tcp (with 'auto' too) the torch
+result. tcp is the reference ordered-wire backend: it runs the NCCL backend's matching logic on CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rdt_transports.algorithms import algorithms_for
 from . import _collective_cases as cc
 from .conftest import HAS_NIXL, HAS_UCXX
 
-BACKENDS = ("gloo", "nixl", "ucx")
+BACKENDS = ("gloo", "nixl", "ucx", "tcp")
 WORLD_SIZES = (2, 3, 4)
 OPS = ("send", "broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter", "alltoall",
        "barrier")
