@@ -1,10 +1,10 @@
-"""rdt_transports: named collective groups for Ray actors over Gloo, NCCL, NIXL and UCX.
+"""rdt_transports: named collective groups for Ray actors over Gloo, NCCL, NIXL, UCX and plain TCP.
 
 Same shape as ``ray.util.collective`` (switch by changing the import): declare a group from the driver with
 :func:`create_collective_group` or join one inside an actor with :func:`init_collective_group`, then call
 send/recv/broadcast/allreduce/reduce/allgather/gather/scatter/reducescatter/alltoall/barrier on torch, numpy
 or cupy arrays in place. Every blocking call takes ``timeout=`` and fails with a typed error from
-:mod:`rdt_transports.errors`; p2p-only backends (nixl, ucx) build collectives with ring / bde / tree algorithms
+:mod:`rdt_transports.errors`; p2p-only backends (nixl, ucx, tcp) build collectives with ring / bde / tree algorithms
 (``algorithm=``), which also run on Gloo for comparison.
 """
 
