@@ -72,8 +72,8 @@ def main() -> int:
         got = ray.get(getattr(a, method).remote())  # the driver's own path: NIXL READ, direct read, fallbacks
         assert float(got[0]) == value, (method, got)
     print("stats:", sorted(rdt.stats(a)["transfers"]), flush=True)
-    # The driver itself joins a Gloo, a UCX and a NIXL group with one actor each, and moves data in each.
-    for backend in ("gloo", "ucx", "nixl"):
+    # The driver itself joins a Gloo, a UCX, a NIXL and a tcp group with one actor each, and moves data in each.
+    for backend in ("gloo", "ucx", "nixl", "tcp"):
         name = f"exit-{backend}"
         joined = b.join.remote(2, 1, backend, name)
         rdt_transports.init_collective_group(2, 0, backend, name, timeout=60)
@@ -84,18 +84,22 @@ def main() -> int:
         ray.get(sent)
         assert float(t.sum()) == 1024.0
     # A receive that can never complete, blocked inside Gloo on a user thread while the program exits.
-    stuck = threading.Thread(target=_recv_forever, name="user-stuck-recv", daemon=True)
+    stuck = threading.Thread(target=_recv_forever, args=("exit-gloo", "STUCK_RECV"), name="user-stuck-recv",
+                             daemon=True)
     stuck.start()
+    stuck_tcp = threading.Thread(target=_recv_forever, args=("exit-tcp", "STUCK_TCP_RECV"), name="user-stuck-tcp",
+                                 daemon=True)
+    stuck_tcp.start()
     rdt.destroy_collective_group(group)
     print("DRIVER_DONE", flush=True)
     return 0
 
 
-def _recv_forever() -> None:
+def _recv_forever(name: str, label: str) -> None:
     try:
-        rdt_transports.recv(torch.zeros(8), 1, "exit-gloo", timeout=600)
+        rdt_transports.recv(torch.zeros(8), 1, name, timeout=600)
     except rdt_transports.RdtError as e:
-        print(f"STUCK_RECV_ENDED={type(e).__name__}", flush=True)
+        print(f"{label}_ENDED={type(e).__name__}", flush=True)
 
 
 if __name__ == "__main__":

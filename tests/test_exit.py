@@ -34,6 +34,7 @@ def test_driver_using_every_transport_exits_cleanly():
     live = [line for line in out.splitlines() if line.startswith("RDT_LIVE_THREADS=")]
     assert live == ["RDT_LIVE_THREADS="], f"rdt threads still running at exit: {live}\n{proc.stderr[-2000:]}"
     assert "STUCK_RECV_ENDED=GroupDestroyedError" in out, out
+    assert "STUCK_TCP_RECV_ENDED=GroupDestroyedError" in out, out
 
 
 _FORK_SCRIPT = textwrap.dedent(
