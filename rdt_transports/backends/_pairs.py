@@ -220,18 +220,20 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
     if world == 1:
         return links
     hs_timeout = min(config.timeout, _MAX_HANDSHAKE_S)
-    host = local_host()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, 0))
-    listener.listen(max(world, 4))
-    config.rendezvous.put(f"{label}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
     lock = threading.Lock()
     accepted_all = threading.Event()
-    if rank == 0:
+    listener: Optional[socket.socket] = None
+    if rank == 0:  # nobody connects to rank 0 (the lower rank of a pair connects): no listener at all
         accepted_all.set()
+    else:
+        host = local_host()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(max(rank, 4))
+        config.rendezvous.put(f"{label}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
 
     def accept_loop() -> None:
+        assert listener is not None
         listener.settimeout(0.2)
         while not accepted_all.is_set() and time.monotonic() < deadline and not _lifecycle.exiting():
             try:
@@ -256,7 +258,7 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
                 if sum(1 for r in links if r < rank) == rank:
                     accepted_all.set()
 
-    acceptor = _lifecycle.spawn(accept_loop, f"rdt-{label}-accept")
+    acceptor = _lifecycle.spawn(accept_loop, f"rdt-{label}-accept") if listener is not None else None
     try:
         for peer in range(rank + 1, world):
             left = deadline - time.monotonic()
@@ -286,8 +288,10 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
         raise
     finally:
         accepted_all.set()
-        acceptor.join(1.0)
-        listener.close()  # no connection is accepted after init: the cap is the group's ranks
+        if acceptor is not None:
+            acceptor.join(1.0)
+        if listener is not None:
+            listener.close()  # no connection is accepted after init: the cap is the group's lower ranks
     return links
 
 
