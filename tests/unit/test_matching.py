@@ -330,3 +330,35 @@ def test_shutdown_stops_every_thread() -> None:
     while any(n.startswith("rdt-tcp") for n in _lifecycle.live_threads()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not [n for n in _lifecycle.live_threads() if n.startswith("rdt-tcp")]
+
+
+@pytest.mark.parametrize("garbage", ["unknown-kind", "data-nobody-expects", "rts-flood", "random"])
+def test_bad_frames_from_an_authenticated_peer_close_only_that_pair(garbage: str) -> None:
+    """Frames are parsed as fixed structs only: a bad one closes the pair's link, the rank and other pairs live."""
+    from rdt_transports.backends._pairs import DATA, FRAME, RTS
+    from rdt_transports.backends._matching import MAX_UNEXPECTED
+
+    ranks = _tcp(3)
+    try:
+        pending = ranks[1].irecv(torch.zeros(4), 0, 1)
+        sock = ranks[0].matcher.links[1].sock  # rank 0 misbehaves, bypassing its writer thread
+        if garbage == "unknown-kind":
+            sock.sendall(FRAME.pack(99, 0, 0, 0, 1, 4, 0))
+        elif garbage == "data-nobody-expects":
+            sock.sendall(FRAME.pack(DATA, 0, 0, 0, 1, 1 << 40, 0))  # claims a terabyte: nothing is allocated
+        elif garbage == "rts-flood":
+            sock.sendall(b"".join(FRAME.pack(RTS, 1, 0, 0, 1000 + i, 4, 0) for i in range(MAX_UNEXPECTED + 1)))
+        else:
+            sock.sendall(random.Random(7).randbytes(4096))
+        with pytest.raises(PeerUnavailableError, match="rank 0") as e:
+            pending.wait(TIMEOUT)
+        assert e.value.peer == 0
+        assert ranks[1].matcher.pending() == 0
+        x, y = torch.ones(3), torch.zeros(3)  # rank 1 still talks to rank 2
+        a, b = ranks[2].isend(x, 1, 6), ranks[1].irecv(y, 2, 6)
+        a.wait(TIMEOUT)
+        b.wait(TIMEOUT)
+        assert torch.equal(x, y)
+    finally:
+        for b in ranks:
+            b.shutdown()
