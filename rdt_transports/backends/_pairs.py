@@ -8,8 +8,10 @@ anything else: the server sends a nonce, the client answers with its rank, its o
 HMAC(secret, "c" | proto | server nonce | group uid | client rank | server rank), the server checks it with
 ``hmac.compare_digest`` and answers HMAC(secret, "s" | proto | client nonce | group uid | server rank | client
 rank). Only a rank lower than the server's that is not yet connected is accepted; a listener takes at most
-``rank`` authenticated connections and is closed as soon as it has them (or at the init deadline). Every
-handshake step has a timeout; a failed one closes the socket and counts ``stats["rejected_connections"]``.
+``rank`` authenticated connections and is closed as soon as it has them (or at the init deadline); rank 0 has
+none. Handshakes run on their own threads (at most ``rank + 4`` at once, more are refused), so a silent
+stranger cannot stall the ranks; every step has a timeout, and a failed handshake closes the socket and counts
+``stats["rejected_connections"]``.
 Nothing read from a socket is unpickled: frames are :data:`FRAME` records, payload lengths are checked by the
 owner against a buffer it already holds.
 
@@ -29,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from .. import _lifecycle
 from ..errors import AuthenticationError, CollectiveTimeoutError, PeerUnavailableError
@@ -48,6 +50,7 @@ _MAC = 32
 _HELLO = struct.Struct(f"<12s{_NONCE}s")  # proto, server nonce
 _RESPONSE = struct.Struct(f"<I{_NONCE}s{_MAC}s")  # client rank, client nonce, client MAC
 _MAX_HANDSHAKE_S = 10.0
+_SPARE_HANDSHAKES = 4  # handshakes in flight beyond the ranks that may connect
 
 Frame = Tuple[int, int, int, int, int, int, int]
 OnFrame = Callable[["Link", Frame], None]
@@ -232,6 +235,33 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
         listener.listen(max(rank, 4))
         config.rendezvous.put(f"{label}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
 
+    handshakes = threading.BoundedSemaphore(rank + _SPARE_HANDSHAKES)  # a silent stranger cannot stall init
+
+    in_handshake: Set[socket.socket] = set()  # shut when init ends: whoever is still there is a stranger
+
+    def handshake(sock: socket.socket) -> None:
+        try:
+            peer = _serve_handshake(sock, config, hs_timeout, lambda r: r < rank and r not in links)
+            with lock:
+                in_handshake.discard(sock)
+                if peer in links or accepted_all.is_set():
+                    raise AuthenticationError(f"rank {peer} is already connected")
+                links[peer] = Link(sock, peer, label)
+                stats["connections"] += 1
+                if sum(1 for r in links if r < rank) == rank:
+                    accepted_all.set()
+        except Exception as e:  # noqa: BLE001 - any failure rejects this connection only
+            with lock:
+                in_handshake.discard(sock)
+                stats["rejected_connections"] += 1
+            logger.info("group %s rank %d: rejected a %s connection: %s", config.group_name, rank, label, e)
+            try:
+                sock.close()
+            except OSError:
+                pass
+        finally:
+            handshakes.release()
+
     def accept_loop() -> None:
         assert listener is not None
         listener.settimeout(0.2)
@@ -242,21 +272,14 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
                 continue
             except OSError:
                 return
-            try:
-                peer = _serve_handshake(sock, config, hs_timeout, lambda r: r < rank and r not in links)
-            except Exception as e:  # noqa: BLE001 - any failure rejects this connection only
-                stats["rejected_connections"] += 1
-                logger.info("group %s rank %d: rejected a %s connection: %s", config.group_name, rank, label, e)
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+            if not handshakes.acquire(blocking=False):  # too many handshakes at once: refuse this one
+                with lock:
+                    stats["rejected_connections"] += 1
+                sock.close()
                 continue
             with lock:
-                links[peer] = Link(sock, peer, label)
-                stats["connections"] += 1
-                if sum(1 for r in links if r < rank) == rank:
-                    accepted_all.set()
+                in_handshake.add(sock)
+            _lifecycle.spawn(handshake, f"rdt-{label}-handshake", sock)
 
     acceptor = _lifecycle.spawn(accept_loop, f"rdt-{label}-accept") if listener is not None else None
     try:
@@ -282,12 +305,21 @@ def connect_pairs(config: BackendConfig, label: str, deadline: float,
                 hint="every rank must create the group within the timeout; check that the ranks can reach each "
                 "other's node address (set RDT_TCP_HOST to the address peers should use)")
     except BaseException:
-        accepted_all.set()
-        for link in links.values():
+        with lock:
+            accepted_all.set()
+            made = list(links.values())
+        for link in made:
             link.sock.close()
         raise
     finally:
-        accepted_all.set()
+        with lock:
+            accepted_all.set()
+            strangers = list(in_handshake)
+        for sock in strangers:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # ends their handshake threads now
+            except OSError:
+                pass
         if acceptor is not None:
             acceptor.join(1.0)
         if listener is not None:

@@ -318,6 +318,39 @@ def test_listener_rejects_strangers_and_closes_after_init() -> None:
             b.shutdown()
 
 
+def test_silent_stranger_does_not_stall_init() -> None:
+    """A connection that never answers the challenge does not hold up the ranks; it is cut when init ends."""
+    from ._fifo_wire import LocalRendezvous
+    from rdt_transports.backends.base import BackendConfig
+    import uuid
+
+    rdv = LocalRendezvous()
+    uid = uuid.uuid4().hex
+    out: List[Any] = [None, None]
+
+    def build(r: int) -> None:
+        out[r] = TcpBackend(BackendConfig("silent", uid, r, 2, TIMEOUT, SECRET, rdv))  # type: ignore[arg-type]
+
+    t1 = threading.Thread(target=build, args=(1,), daemon=True)
+    t1.start()
+    host, _, port = rdv.get("tcp/addr/1", TIMEOUT).decode().rpartition(":")
+    stranger = socket.create_connection((host, int(port)), timeout=TIMEOUT)  # connects first, then says nothing
+    try:
+        start = time.monotonic()
+        build(0)
+        t1.join(TIMEOUT)
+        assert time.monotonic() - start < TIMEOUT / 2  # not held up by the stranger's handshake timeout
+        deadline = time.monotonic() + TIMEOUT
+        while out[1].stats["rejected_connections"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert out[1].stats["rejected_connections"] == 1 and out[1].stats["connections"] == 1
+    finally:
+        stranger.close()
+        for b in out:
+            if b is not None:
+                b.shutdown()
+
+
 def test_shutdown_stops_every_thread() -> None:
     from rdt_transports import _lifecycle
 
