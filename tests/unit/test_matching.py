@@ -395,3 +395,56 @@ def test_bad_frames_from_an_authenticated_peer_close_only_that_pair(garbage: str
     finally:
         for b in ranks:
             b.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "fifo"])
+def test_random_interleavings_three_ranks(kind: str) -> None:
+    """Every rank sends to every other from one thread and receives from another, tags in shuffled orders."""
+    ranks = _tcp(3) if kind == "tcp" else _fifo(3)
+    per_pair = 24
+    rng = random.Random(2026)
+    plans = {}
+    for src in range(3):
+        for dst in range(3):
+            if src != dst:
+                send_order = list(range(per_pair))
+                recv_order = list(range(per_pair))
+                rng.shuffle(send_order)
+                rng.shuffle(recv_order)
+                plans[(src, dst)] = (send_order, recv_order)
+    size = {i: 1 + (i * 37) % 3000 for i in range(per_pair)}
+    got = {key: {} for key in plans}
+
+    def value(src: int, dst: int, i: int) -> torch.Tensor:
+        return torch.full((size[i],), float(src * 10000 + dst * 100 + i))
+
+    def sender(src: int) -> Callable[[], None]:
+        def run() -> None:
+            works = []
+            for dst in (d for d in range(3) if d != src):
+                works += [ranks[src].isend(value(src, dst, i), dst, i) for i in plans[(src, dst)][0]]
+            for w in works:
+                w.wait(TIMEOUT)
+        return run
+
+    def receiver(dst: int) -> Callable[[], None]:
+        def run() -> None:
+            works = []
+            for src in (s for s in range(3) if s != dst):
+                for i in plans[(src, dst)][1]:
+                    t = torch.zeros(size[i])
+                    got[(src, dst)][i] = t
+                    works.append(ranks[dst].irecv(t, src, i))
+            for w in works:
+                w.wait(TIMEOUT)
+        return run
+
+    try:
+        _threads(*[sender(r) for r in range(3)], *[receiver(r) for r in range(3)], timeout=60)
+        for (src, dst), tensors in got.items():
+            for i, t in tensors.items():
+                assert torch.equal(t, value(src, dst, i)), (src, dst, i)
+        assert [b.matcher.pending() for b in ranks] == [0, 0, 0]
+    finally:
+        for b in ranks:
+            b.shutdown()
