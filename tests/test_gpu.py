@@ -232,3 +232,53 @@ def test_nccl_timeout_aborts_instead_of_hanging(ray_cluster):
         group.destroy()
         ray.kill(a)
         ray.kill(b)
+
+
+def _nccl_both_ways(name: str) -> dict:
+    """(actor side) send to the other rank on one thread while receiving from it on another (issue 13)."""
+    import threading
+
+    group = rdt_transports.get_group(name)
+    me, other = group.rank, 1 - group.rank
+    sizes = [3, 1 << 10, (1 << 20) // 4 + 5, 1 << 19]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    got = [torch.zeros(n, device=dev) for n in sizes]
+    errors: list = []
+
+    def send() -> None:
+        try:
+            for i, n in enumerate(sizes):
+                rdt_transports.send(torch.arange(n, dtype=torch.float32, device=dev) + 100 * i + me, other, name,
+                                    timeout=60)
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            errors.append(f"send: {e!r}")
+
+    def recv() -> None:
+        try:
+            for t in got:
+                rdt_transports.recv(t, other, name, timeout=60)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"recv: {e!r}")
+
+    threads = [threading.Thread(target=send), threading.Thread(target=recv)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    ok = all(torch.equal(got[i].cpu(), torch.arange(n, dtype=torch.float32) + 100 * i + other)
+             for i, n in enumerate(sizes))
+    return {"errors": errors, "ok": ok, "pending": group.backend._matcher.pending(), "state": group.state.value}
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+def test_nccl_p2p_both_ways_from_two_threads(two_gpus):
+    """Issue 13 on the real NCCL backend: matching is by (peer, tag) whatever thread posts first."""
+    a, b, _ = two_gpus
+    for _ in range(3):
+        out = ray.get([x.__ray_call__.remote(lambda _self: _nccl_both_ways("nccl-test")) for x in (a, b)],
+                      timeout=300)
+        for rank, r in enumerate(out):
+            assert r["errors"] == [], f"rank {rank}: {r['errors']}"
+            assert r["ok"] and r["pending"] == 0 and r["state"] == "healthy", (rank, r)
