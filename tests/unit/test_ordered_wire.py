@@ -15,6 +15,7 @@ import torch
 
 from rdt_transports.errors import CollectiveTimeoutError
 from rdt_transports.group import GO_MIN_BYTES, CollectiveGroup
+from rdt_transports.types import Capabilities
 
 from ._fifo_wire import CountingBackend, FifoHub, MatchedFifoBackend, make_ranks, wait_until
 
@@ -22,14 +23,21 @@ SECRET = b"ordered-wire-test-secret-0123456789"
 TIMEOUT = 5.0
 
 
-def nccl_like_pair(timeout: float = TIMEOUT) -> Tuple[Any, Any]:
+class _WithGroupHandshake(MatchedFifoBackend):
+    """The same backend, but the group runs its Gloo-style size handshake over it (the race's original trigger)."""
+
+    capabilities = Capabilities(name="fifo", devices=frozenset({"cpu"}), checks_p2p_sizes=False)
+
+
+def nccl_like_pair(timeout: float = TIMEOUT, cls: Any = MatchedFifoBackend) -> Tuple[Any, Any]:
     """Rank 0 and rank 1 of a group built like the NCCL backend: the matcher over an ordered wire per direction."""
-    b0, b1 = make_ranks(MatchedFifoBackend, 2, timeout, SECRET, FifoHub())
+    b0, b1 = make_ranks(cls, 2, timeout, SECRET, FifoHub())
     return b0, b1
 
 
-def test_group_send_and_recv_both_ways_from_two_threads() -> None:
-    b0, b1 = nccl_like_pair()
+@pytest.mark.parametrize("handshake", [False, True], ids=["matcher-checks-sizes", "group-handshake-over-matcher"])
+def test_group_send_and_recv_both_ways_from_two_threads(handshake: bool) -> None:
+    b0, b1 = nccl_like_pair(cls=_WithGroupHandshake if handshake else MatchedFifoBackend)
     c0, c1 = CountingBackend(b0), CountingBackend(b1)
     g0 = CollectiveGroup("nccl-like", b0.config.group_uid, c0, TIMEOUT, lambda: None)
     g1 = CollectiveGroup("nccl-like", b1.config.group_uid, c1, TIMEOUT, lambda: None)
