@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import algorithms
+from ._checked_p2p import CheckedP2P
 from ._tensors import FLOAT_DTYPES, as_torch, check_same, check_tensor
-from .backends.base import TAG_KIND_OBJECT, TAG_KIND_SHIFT, Backend, Work
+from .backends.base import TAG_KIND_OBJECT, TAG_KIND_P2P, TAG_KIND_SHIFT, Backend, Work
 from .errors import (
     CollectiveTimeoutError,
     CommunicationError,
@@ -28,7 +29,6 @@ from .errors import (
     InvalidArgumentError,
     PeerUnavailableError,
     RdtError,
-    TensorMismatchError,
     UnsupportedError,
 )
 from .types import GroupState, ReduceOp, Timeout, to_seconds
@@ -37,7 +37,7 @@ logger = logging.getLogger("rdt_transports")
 
 # Tag layout (31 bits): kind (2 bits) << 29 | payload. Tags only need to be unique per (src, dst) pair.
 TAG_COLLECTIVE = 0
-TAG_P2P = 1
+TAG_P2P = TAG_KIND_P2P
 TAG_OBJECT = TAG_KIND_OBJECT
 _STEP_BITS = 14
 _SEQ_MASK = (1 << (29 - _STEP_BITS)) - 1
@@ -110,6 +110,8 @@ class CollectiveGroup:
         self._calls: Dict[int, float] = {}  # calls in flight: id -> monotonic start (as many as calling threads)
         self.stats: Dict[str, float] = {"ops": 0, "bytes": 0, "errors": 0}
         self.metrics: Optional[Any] = None  # rdt_transports._metrics.Metrics, set by the process context
+        # send/recv check size and dtype here when the backend cannot (see _checked_p2p)
+        self._checked = None if backend.capabilities.checks_p2p_sizes else CheckedP2P(backend, _left)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -390,11 +392,11 @@ class CollectiveGroup:
         if dst == self.rank:
             raise InvalidArgumentError("cannot send to self", group=self.name, rank=self.rank, peer=dst, op="send",
                                        hint="pick another rank as dst_rank")
-        tag = self._p2p_tag(self._send_seq, dst)
-        if self.backend.capabilities.checks_p2p_sizes:
-            body = lambda d: self.backend.isend(t, dst, tag).wait(_left(d))  # noqa: E731
+        if self._checked is not None:
+            body = lambda d: self._checked.send(t, dst, d)  # noqa: E731
         else:
-            body = lambda d: self._checked_send(t, dst, tag, d)  # noqa: E731
+            tag = self._p2p_tag(self._send_seq, dst)
+            body = lambda d: self.backend.isend(t, dst, tag).wait(_left(d))  # noqa: E731
         self._run("send", timeout, body, _nbytes(t), peer=dst)
 
     def recv(self, tensor: Any, src_rank: int, *, timeout: Timeout = None) -> None:
@@ -403,64 +405,12 @@ class CollectiveGroup:
         if src == self.rank:
             raise InvalidArgumentError("cannot receive from self", group=self.name, rank=self.rank, peer=src,
                                        op="recv", hint="pick another rank as src_rank")
-        tag = self._p2p_tag(self._recv_seq, src)
-        if self.backend.capabilities.checks_p2p_sizes:
+        if self._checked is not None:
+            body = lambda d: self._checked.recv(t, src, d)  # noqa: E731
+        else:
+            tag = self._p2p_tag(self._recv_seq, src)
             body = lambda d: self.backend.irecv(t, src, tag).wait(_left(d))  # noqa: E731
-        else:
-            body = lambda d: self._checked_recv(t, src, tag, d)  # noqa: E731
         self._run("recv", timeout, body, _nbytes(t), peer=src)
-
-    # A size/dtype header for backends that cannot detect a mismatch (Gloo truncates, or aborts the receiving
-    # process): the sender posts the header, the receiver checks it. Small messages follow the header at once (no
-    # round trip); on a mismatch the receiver drains them into scratch memory and raises. From GO_MIN_BYTES on,
-    # the sender waits for the receiver's verdict: the data then always lands in a receive that is already posted
-    # (Gloo otherwise stages early data in a temporary buffer, a second 128 MiB allocation and copy), and on a
-    # mismatch nothing is sent and both sides raise.
-    # Tags: the p2p tag's payload times 4 plus 0 (header), 1 (verdict) or 2 (data).
-    def _sub(self, tag: int, kind: int) -> int:
-        return make_tag(TAG_P2P, ((tag & _PAYLOAD_MASK) << 2 | kind) & _PAYLOAD_MASK)
-
-    def _checked_send(self, t: torch.Tensor, dst: int, tag: int, deadline: float) -> None:
-        w_header = self.backend.isend(_describe(t), dst, self._sub(tag, 0))
-        if _nbytes(t) < GO_MIN_BYTES:
-            w_data = self.backend.isend(t, dst, self._sub(tag, 2))
-            w_header.wait(_left(deadline))
-            w_data.wait(_left(deadline))
-            return
-        verdict = torch.zeros(3, dtype=torch.int64)
-        self.backend.irecv(verdict, dst, self._sub(tag, 1)).wait(_left(deadline))
-        w_header.wait(_left(deadline))
-        if int(verdict[0]) != 1:
-            raise TensorMismatchError(
-                f"rank {dst} receives into {int(verdict[1])} bytes of {_dtype_name(int(verdict[2]))} but this rank "
-                f"sends {_nbytes(t)} bytes of {t.dtype}; nothing was sent", peer=dst, op="send",
-                hint="make the send tensor the same size and dtype as the receiver's tensor",
-            )
-        self.backend.isend(t, dst, self._sub(tag, 2)).wait(_left(deadline))
-
-    def _checked_recv(self, t: torch.Tensor, src: int, tag: int, deadline: float) -> None:
-        header = torch.zeros(3, dtype=torch.int64)
-        self.backend.irecv(header, src, self._sub(tag, 0)).wait(_left(deadline))
-        nbytes, code = int(header[1]), int(header[2])
-        match = nbytes == _nbytes(t) and 0 <= code < len(_DTYPES) and _DTYPES[code] == t.dtype
-        if nbytes >= GO_MIN_BYTES:
-            mine = _describe(t)
-            mine[0] = 1 if match else 0
-            w_data = self.backend.irecv(t, src, self._sub(tag, 2)) if match else None
-            self.backend.isend(mine, src, self._sub(tag, 1)).wait(_left(deadline))
-            if w_data is not None:
-                w_data.wait(_left(deadline))
-                return
-        elif match:
-            self.backend.irecv(t, src, self._sub(tag, 2)).wait(_left(deadline))
-            return
-        else:
-            scratch = torch.empty(max(nbytes, 0), dtype=torch.uint8)
-            self.backend.irecv(scratch, src, self._sub(tag, 2)).wait(_left(deadline))
-        raise TensorMismatchError(
-            f"the sender sent {nbytes} bytes of {_dtype_name(code)} but this rank receives into {_nbytes(t)} bytes "
-            f"of {t.dtype}", peer=src, op="recv", hint="make the recv tensor the same size and dtype as the sent tensor",
-        )
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, name: str, algorithm: str, timeout: Timeout, nbytes: int, **kw: Any) -> None:
@@ -584,21 +534,6 @@ def _device_of(kw: Dict[str, Any]) -> Optional[torch.device]:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 1e-3)
-
-
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
-
-
-GO_MIN_BYTES = 1 << 20  # from this size on, a Gloo p2p send waits for the receiver's verdict before the data
-
-
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype code {code}"
-
-
-def _describe(t: torch.Tensor) -> torch.Tensor:
-    """[flag, nbytes, dtype code] as a CPU int64 tensor (the handshake's header)."""
-    return torch.tensor([0, _nbytes(t), _DTYPES.index(t.dtype)], dtype=torch.int64)
 
 
 __all__ = ["CollectiveGroup", "make_tag", "TAG_OBJECT", "TAG_P2P", "TAG_COLLECTIVE", "PeerUnavailableError"]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 # Tag layout (31 bits): kind (2 bits) << TAG_KIND_SHIFT | payload; the kinds are named in rdt_transports.group.
 TAG_KIND_SHIFT = 29
+TAG_KIND_P2P = 1  # user send/recv
 TAG_KIND_OBJECT = 2  # rdt object transfers: backends may wait on them apart from collectives
 
 

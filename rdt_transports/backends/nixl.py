@@ -85,14 +85,20 @@ _VERSION = 1
 _KIND_RTR = 1
 _KIND_DONE = 2
 _KIND_NACK = 3
-_KINDS = (_KIND_RTR, _KIND_DONE, _KIND_NACK)
+_KIND_EAGER = 4  # a small message's data inside the notification itself (no WRITE, no wait for the RTR)
+_KIND_EAGER_ACK = 5  # the receiver took an EAGER message: the send completes (so delivery is certain)
+_KIND_EAGER_NACK = 6  # the receiver refused an EAGER message: the send fails with the mismatch
+_KINDS = (_KIND_RTR, _KIND_DONE, _KIND_NACK, _KIND_EAGER, _KIND_EAGER_ACK, _KIND_EAGER_NACK)
 # magic, version, kind, src, dst, tag, nbytes, dtype, addr, length, devid, memtype, reg_id, reg_base, reg_len, md_len
 _HEADER = struct.Struct("!4sBBIIIQBQQIBQQQI")
 _MAC_LEN = 32
 _MAX_MD_LEN = 1 << 16
 _MEM_DRAM = 0
 _MEM_VRAM = 1
+_MEM_NONE = 2  # an RTR with no registration: the receiver takes the message only as EAGER
 _MEM_NAMES = {_MEM_DRAM: "DRAM", _MEM_VRAM: "VRAM"}
+EAGER_MAX_BYTES = 64 << 10  # messages up to this size travel inside an authenticated notification
+EAGER_WINDOW = 64  # unacknowledged EAGER messages per peer; past it a send waits for the receiver's RTR
 # Stable dtype codes (index in this tuple); names missing from this torch build are skipped.
 _DTYPE_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
@@ -296,6 +302,7 @@ class _NixlWork(Work):
         self.posted = time.monotonic()
         self.flush_until = 0.0  # send: standalone notification sent; keep progressing until then (first contact)
         self.flush_error: Optional[BaseException] = None
+        self.eager = False  # send: the data went inside an EAGER notification; the receiver's ACK completes it
         self.reg: Optional[_Registration] = None
         self.rtr: Optional[_Msg] = None  # send: the matching ready-to-receive
         self.xfer: Any = None  # send: the NIXL transfer handle while the WRITE runs
@@ -356,6 +363,8 @@ class NixlBackend(Backend):
         self._sends: Dict[Tuple[int, int], _NixlWork] = {}  # (peer, tag) -> pending send
         self._recvs: Dict[Tuple[int, int], _NixlWork] = {}  # (peer, tag) -> pending recv
         self._mailbox: Dict[Tuple[int, int, int], _Msg] = {}  # (peer, kind, tag) -> unmatched message
+        self._eager_out: Dict[int, int] = collections.Counter()  # peer -> EAGER sends awaiting their ACK
+        self._eager_parked: Dict[int, int] = collections.Counter()  # peer -> EAGER messages parked in the mailbox
         config.rendezvous.put(f"nixl/md/{config.rank}", bytes(self._agent.get_agent_metadata()))
 
     # ------------------------------------------------------------------ helpers
@@ -372,12 +381,12 @@ class NixlBackend(Backend):
         return hmac.new(self._key, data, hashlib.sha256).digest()
 
     def _pack(self, kind: int, peer: int, tag: int, nbytes: int, dtype: int, reg: Optional[_Registration] = None,
-              addr: int = 0, length: int = 0) -> bytes:
-        """Build an authenticated control message addressed to ``peer``."""
-        md = reg.partial_md(self._agent) if reg is not None else b""
+              addr: int = 0, length: int = 0, payload: bytes = b"", memtype: int = 0) -> bytes:
+        """Build an authenticated control message addressed to ``peer`` (``payload``: an EAGER message's data)."""
+        md = reg.partial_md(self._agent) if reg is not None else payload
         head = _HEADER.pack(
             _MAGIC, _VERSION, kind, self.config.rank, peer, tag, nbytes, dtype, addr, length,
-            reg.devid if reg else 0, reg.memtype if reg else 0, reg.reg_id if reg else 0,
+            reg.devid if reg else 0, reg.memtype if reg else memtype, reg.reg_id if reg else 0,
             reg.base if reg else 0, reg.length if reg else 0, len(md),
         )
         body = head + md
@@ -401,12 +410,16 @@ class NixlBackend(Backend):
             magic == _MAGIC and version == _VERSION and msg.kind in _KINDS and msg.src == src
             and msg.dst == self.config.rank and msg.tag < (1 << 31) and md_len == len(msg.md) <= _MAX_MD_LEN
         )
-        if ok and msg.kind == _KIND_RTR:
+        if ok and msg.kind == _KIND_RTR and msg.memtype == _MEM_NONE:
+            ok = md_len == 0 and msg.nbytes <= EAGER_MAX_BYTES and msg.dtype in _CODE_TO_DTYPE
+        elif ok and msg.kind == _KIND_RTR:
             ok = (
                 msg.length == msg.nbytes and msg.memtype in _MEM_NAMES and msg.dtype in _CODE_TO_DTYPE
                 and (msg.nbytes == 0 or (md_len > 0 and msg.reg_base <= msg.addr
                                          and msg.addr + msg.length <= msg.reg_base + msg.reg_len))
             )
+        elif ok and msg.kind == _KIND_EAGER:
+            ok = md_len == msg.nbytes <= EAGER_MAX_BYTES
         if not ok:
             return self._drop("malformed", src_name, raw)
         return msg
@@ -456,7 +469,8 @@ class NixlBackend(Backend):
 
     # ------------------------------------------------------------------ posting
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        """Post a send; the WRITE starts once the receiver's ready-to-receive for ``tag`` arrives."""
+        """Post a send: small ones go at once inside a notification (EAGER), others as a WRITE once the receiver's
+        ready-to-receive for ``tag`` arrives."""
         self._check_open("send", peer)
         self._ensure_peer(peer, "send")
         self._sync_cuda(tensor)
@@ -471,10 +485,28 @@ class NixlBackend(Backend):
             if rtr is not None:
                 work.rtr = rtr
                 self._try_start_send(work)
+            elif 0 < work.nbytes <= EAGER_MAX_BYTES and self._eager_out[peer] < EAGER_WINDOW:
+                self._send_eager(work)
         return work
 
+    def _send_eager(self, work: _NixlWork) -> None:
+        """Send a small message's data inside one authenticated notification; done at the receiver's ACK."""
+        data = work.tensor.detach().reshape(-1).view(torch.uint8)
+        payload = (data.cpu() if data.is_cuda else data).numpy().tobytes()
+        work.eager = True
+        work.phase = "waiting for the receiver to take the data"
+        self._eager_out[work.peer] += 1
+        try:
+            self._agent.send_notif(self._names[work.peer], self._pack(_KIND_EAGER, work.peer, work.tag, work.nbytes,
+                                                                        work.dtype_code, payload=payload))
+        except Exception as e:
+            self._finish(work, PeerUnavailableError(
+                f"could not send the data of tag {work.tag}: {type(e).__name__}: {e}", **self._ctx(work.peer, "send"),
+                hint="the peer's process may have died; re-create the group"))
+
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        """Post a receive: register the buffer and tell the sender where to write it."""
+        """Post a receive: register the buffer and tell the sender where to write it (small ones: take the EAGER
+        data, and send an RTR without a registration, which also returns the sender's EAGER credit)."""
         self._check_open("recv", peer)
         self._ensure_peer(peer, "recv")
         self._sync_cuda(tensor)
@@ -484,13 +516,19 @@ class NixlBackend(Backend):
             if (peer, tag) in self._recvs:
                 raise CommunicationError(f"a recv with tag {tag} from rank {peer} is already pending",
                                          **self._ctx(peer, "recv"), hint="tags must be unique per (src, dst) pair")
-            if work.nbytes:
+            if 0 < work.nbytes <= EAGER_MAX_BYTES:
+                msg = self._pack(_KIND_RTR, peer, tag, work.nbytes, work.dtype_code, memtype=_MEM_NONE)
+            elif work.nbytes:
                 work.reg = self._cache.acquire(tensor)
                 msg = self._pack(_KIND_RTR, peer, tag, work.nbytes, work.dtype_code, work.reg,
                                  tensor.data_ptr(), work.nbytes)
             else:
                 msg = self._pack(_KIND_RTR, peer, tag, 0, work.dtype_code)
             self._recvs[(peer, tag)] = work
+            eager = self._mailbox.pop((peer, _KIND_EAGER, tag), None)
+            if eager is not None:
+                self._eager_parked[peer] -= 1
+                self._deliver_eager(work, eager)
             try:
                 self._agent.send_notif(self._names[peer], msg)
             except Exception as e:
@@ -516,7 +554,7 @@ class NixlBackend(Backend):
                     if msg is not None:
                         self._dispatch(msg)
             for work in list(self._sends.values()):
-                if work.state != _PENDING:
+                if work.state != _PENDING or work.eager:  # an EAGER send only waits for its ACK
                     continue
                 if work.flush_until:
                     if time.monotonic() >= work.flush_until:
@@ -530,8 +568,31 @@ class NixlBackend(Backend):
     def _dispatch(self, msg: _Msg) -> None:
         """Route one authenticated message to the operation waiting for it, or park it in the mailbox."""
         key = (msg.src, msg.tag)
+        if msg.kind in (_KIND_EAGER_ACK, _KIND_EAGER_NACK):
+            work = self._sends.get(key)
+            if work is None or not work.eager or work.state != _PENDING:
+                self.stats["dropped_unexpected"] += 1
+                return
+            self._wired.add(msg.src)
+            self._finish(work, None if msg.kind == _KIND_EAGER_ACK else TensorMismatchError(
+                f"send of {work.nbytes} bytes ({_dtype_name(work.dtype_code)}) was refused by rank {msg.src}, which "
+                f"receives into {msg.nbytes} bytes ({_dtype_name(msg.dtype)}) (tag {msg.tag})",
+                **self._ctx(msg.src, "send"), hint="post tensors of the same dtype and number of elements on both sides"))
+            return
+        if msg.kind == _KIND_EAGER:
+            work = self._recvs.get(key)
+            if work is not None and work.state == _PENDING:
+                self._deliver_eager(work, msg)
+            elif (msg.src, _KIND_EAGER, msg.tag) in self._mailbox or self._eager_parked[msg.src] >= 2 * EAGER_WINDOW:
+                self.stats["dropped_eager"] += 1
+            else:
+                self._mailbox[(msg.src, _KIND_EAGER, msg.tag)] = msg
+                self._eager_parked[msg.src] += 1
+            return
         if msg.kind == _KIND_RTR:
             work = self._sends.get(key)
+            if work is not None and work.eager:  # the data went EAGER already; the ACK completes the send
+                return
             if work is not None and work.rtr is None and work.state == _PENDING:
                 work.rtr = msg
                 self._try_start_send(work)
@@ -557,6 +618,25 @@ class NixlBackend(Backend):
                 f"rank {msg.src}: {msg.nbytes} bytes ({_dtype_name(msg.dtype)}) (tag {msg.tag})",
                 **self._ctx(msg.src, "recv"), hint="post tensors of the same dtype and number of elements on both sides"))
 
+    def _deliver_eager(self, work: _NixlWork, msg: _Msg) -> None:
+        """Complete a receive with an EAGER message's data and ACK it, or refuse it (NACK: the send fails too)."""
+        ok = msg.nbytes == work.nbytes and msg.dtype == work.dtype_code
+        try:
+            self._agent.send_notif(self._names[msg.src], self._pack(
+                _KIND_EAGER_ACK if ok else _KIND_EAGER_NACK, msg.src, msg.tag, work.nbytes, work.dtype_code))
+        except Exception as e:  # the sender then times out, naming the peer
+            logger.debug("nixl: EAGER answer to rank %d failed: %s", msg.src, e)
+        if not ok:
+            self._finish(work, TensorMismatchError(
+                f"recv of {work.nbytes} bytes ({_dtype_name(work.dtype_code)}) does not match the send posted by "
+                f"rank {msg.src}: {msg.nbytes} bytes ({_dtype_name(msg.dtype)}) (tag {msg.tag}); the receive tensor "
+                "was left untouched", **self._ctx(msg.src, "recv"),
+                hint="post tensors of the same dtype and number of elements on both sides"))
+            return
+        data = torch.frombuffer(bytearray(msg.md), dtype=torch.uint8)
+        work.tensor.detach().reshape(-1).view(torch.uint8).copy_(data)
+        self._finish(work, None)
+
     def _try_start_send(self, work: _NixlWork) -> None:
         """Validate the matched RTR and post the WRITE (or defer it while a remote-metadata reset must wait)."""
         rtr = work.rtr
@@ -575,6 +655,9 @@ class NixlBackend(Backend):
                 self._finish(work, err)
                 return
             self._finish_after_notif(work, err)
+            return
+        if rtr.memtype == _MEM_NONE:  # the receiver takes small messages only as EAGER
+            self._send_eager(work)
             return
         done = self._pack(_KIND_DONE, peer, work.tag, work.nbytes, work.dtype_code)
         try:
@@ -660,6 +743,8 @@ class NixlBackend(Backend):
         if work.xfer is not None:
             self._inflight_to[work.peer] -= 1
             self._release_xfer(work)
+        if work.eager:
+            self._eager_out[work.peer] -= 1
         if work.reg is not None:
             self._cache.release(work.reg)
             work.reg = None
@@ -728,6 +813,8 @@ class NixlBackend(Backend):
             for work in list(self._sends.values()) + list(self._recvs.values()):
                 self._finish(work, err)
             self._mailbox.clear()
+            self._eager_out.clear()
+            self._eager_parked.clear()
             self._cache.clear()
             for peer in list(self._peer_md):
                 try:

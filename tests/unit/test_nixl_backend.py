@@ -124,27 +124,64 @@ def test_64mib_and_cache_reuse(pair) -> None:
 def test_registration_not_reused_after_free(pair) -> None:
     b0, b1 = pair
     for tag in range(4):  # fresh tensors each time: dead storages must be deregistered, never reused stale
-        src = torch.full((4096,), float(tag))
-        dst = torch.zeros(4096)
+        src = torch.full((1 << 16,), float(tag))  # 256 KiB: above the EAGER limit, so registered
+        dst = torch.zeros(1 << 16)
         run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
         assert torch.equal(src, dst)
         del src, dst
     assert len(b1.registration_cache) <= 2 and len(b0.registration_cache) <= 2
 
 
+def _expect_mismatch(fn: Callable[[], None]) -> str:
+    with pytest.raises(TensorMismatchError) as ei:
+        fn()
+    return str(ei.value)
+
+
 def test_size_mismatch_fails_both_sides(pair) -> None:
+    """Above the EAGER limit the sender sees the receiver's RTR: both raise on that very message."""
     b0, b1 = pair
-    src, dst = torch.zeros(100), torch.zeros(200)
-
-    def expect_mismatch(fn: Callable[[], None]) -> str:
-        with pytest.raises(TensorMismatchError) as ei:
-            fn()
-        return str(ei.value)
-
-    m0, m1 = run_both(lambda: expect_mismatch(lambda: b0.isend(src, 1, 3).wait(TIMEOUT)),
-                      lambda: expect_mismatch(lambda: b1.irecv(dst, 0, 3).wait(TIMEOUT)))
+    src, dst = torch.zeros(1 << 15), torch.zeros(1 << 16)
+    m0, m1 = run_both(lambda: _expect_mismatch(lambda: b0.isend(src, 1, 3).wait(TIMEOUT)),
+                      lambda: _expect_mismatch(lambda: b1.irecv(dst, 0, 3).wait(TIMEOUT)))
     for m in (m0, m1):
-        assert "400 bytes" in m and "800 bytes" in m
+        assert "131072 bytes" in m and "262144 bytes" in m
+
+
+def test_small_mismatch_fails_both_sides(pair) -> None:
+    """A small (EAGER) send waits for the receiver's answer: a refusal fails both, the receive tensor untouched."""
+    b0, b1 = pair
+    src, dst = torch.ones(100), torch.full((200,), 7.0)
+    m0, m1 = run_both(lambda: _expect_mismatch(lambda: b0.isend(src, 1, 30).wait(TIMEOUT)),
+                      lambda: _expect_mismatch(lambda: b1.irecv(dst, 0, 30).wait(TIMEOUT)))
+    for m in (m0, m1):
+        assert "400 bytes" in m and "800 bytes" in m, m
+    assert bool((dst == 7.0).all())
+
+
+def test_eager_window_bounds_unreceived_sends(pair) -> None:
+    """A sender runs at most EAGER_WINDOW small sends ahead of the receiver; later ones wait for its RTR; all data
+    arrives in tag order regardless, and the EAGER bookkeeping drains to zero."""
+    from rdt_transports.backends.nixl import EAGER_WINDOW
+
+    b0, b1 = pair
+    n = EAGER_WINDOW + 8
+    srcs = [torch.full((16,), float(i)) for i in range(n)]
+    sends = [b0.isend(s, 1, 100 + i) for i, s in enumerate(srcs)]
+    assert b0._eager_out[1] == EAGER_WINDOW and not any(w.is_completed() for w in sends)
+    dsts = [torch.zeros(16) for _ in range(n)]
+
+    def recv_all() -> None:
+        for i, d in reversed(list(enumerate(dsts))):  # receives posted in the reverse order
+            b1.irecv(d, 0, 100 + i).wait(TIMEOUT)
+
+    run_both(lambda: [w.wait(TIMEOUT) for w in sends], recv_all)
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    deadline = time.monotonic() + 5
+    while (b0._eager_out[1] or b1._eager_parked[0]) and time.monotonic() < deadline:
+        b0.progress()
+        time.sleep(0.005)
+    assert b0._eager_out[1] == 0 and not b0._sends and b1._eager_parked[0] == 0 and not b1._mailbox
 
 
 def test_recv_without_sender_times_out(pair) -> None:
