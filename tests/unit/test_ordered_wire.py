@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rdt_transports.errors import CollectiveTimeoutError
-from rdt_transports.group import GO_MIN_BYTES, CollectiveGroup
+from rdt_transports.group import CollectiveGroup
 from rdt_transports.types import Capabilities
 
 from ._fifo_wire import CountingBackend, FifoHub, MatchedFifoBackend, make_ranks, wait_until
@@ -41,7 +41,7 @@ def test_group_send_and_recv_both_ways_from_two_threads(handshake: bool) -> None
     c0, c1 = CountingBackend(b0), CountingBackend(b1)
     g0 = CollectiveGroup("nccl-like", b0.config.group_uid, c0, TIMEOUT, lambda: None)
     g1 = CollectiveGroup("nccl-like", b1.config.group_uid, c1, TIMEOUT, lambda: None)
-    n = GO_MIN_BYTES // 4  # large enough for the handshake's verdict round trip
+    n = (1 << 20) // 4  # 1 MiB
     x0 = torch.arange(n, dtype=torch.float32)
     x1 = -torch.arange(n, dtype=torch.float32)
     y0 = torch.zeros(n)
