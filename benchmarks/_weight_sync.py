@@ -6,7 +6,8 @@ in-process copy as the reference; plus one object of 1, 100 and 1 000 tensors of
 
 A step is timed on the driver from the publish call until every worker has loaded and checked the marker; the
 trainer's in-place update between steps is not timed. After the timed steps one more step runs with every
-worker sampling its own RSS and private memory (rdt's reuse pools off, so fresh buffers are counted).
+worker sampling its own RSS and private memory (rdt's reuse pools off and glibc's freed heap trimmed first, so
+fresh buffers are counted); its growth over the idle value before that step is the row's ``uss_growth_bytes``.
 """
 
 from __future__ import annotations
@@ -234,7 +235,9 @@ class World:
         return {"rss_peak_bytes": [m["rss_peak"] for m in mem],
                 "rss_before_bytes": [m["rss_before"] for m in mem],
                 "uss_growth_bytes": [m["uss_peak"] - m["uss_before"] for m in mem],
-                "uss_idle_over_params_bytes": [i["uss_idle_over_params"] for i in idle]}
+                "uss_idle_over_params_bytes": [i["uss_idle_over_params"] for i in idle],
+                "uss_peak_over_params_bytes": [m["uss_peak"] - i["uss_params"] for m, i in zip(mem, idle)],
+                "torch_threads": idle[0]["torch_threads"]}
 
     def close(self) -> None:
         """Destroy the groups and kill the actors."""

@@ -8,6 +8,7 @@ while a sync runs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -66,6 +67,14 @@ class MemorySampler:
         self._sample()
         return {"rss_before": self.before["rss"], "rss_peak": self.peak["rss"], "uss_before": self.before["uss"],
                 "uss_peak": self.peak["uss"]}
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0); nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _touch(t: torch.Tensor) -> float:
@@ -177,9 +186,12 @@ class WeightActor:
 
     # ------------------------------------------------------------------ memory
     def memory_start(self) -> Dict[str, int]:
-        """Start sampling this process's RSS and USS; also returns USS over the params-only baseline."""
+        """Hand freed heap back to the kernel (glibc keeps it otherwise, and earlier steps' buffers would hide this
+        step's growth), then start sampling this process's RSS and USS; returns the idle USS over the params."""
+        _malloc_trim()
         self.sampler = MemorySampler()
-        return {"uss_idle_over_params": self.sampler.before["uss"] - self.uss_params}
+        return {"uss_idle_over_params": self.sampler.before["uss"] - self.uss_params, "uss_params": self.uss_params,
+                "torch_threads": torch.get_num_threads()}
 
     def memory_stop(self) -> Dict[str, int]:
         """Stop sampling; idle and peak RSS/USS during the sync."""
