@@ -137,12 +137,12 @@ def _ok(r: Optional[Mapping[str, Any]]) -> bool:
 
 
 def _ws_target(desc: str, need: float, x: Optional[Mapping[str, Any]], y: Optional[Mapping[str, Any]],
-               inverse: bool, why: str = "") -> Optional[Dict[str, Any]]:
+               inverse: bool, why: str = "", unit: str = "x") -> Optional[Dict[str, Any]]:
     """x's time against y's: y/x (>= need) or, ``inverse``, x/y (<= need). Not available (with ``why``) when a
     side could not run in this build; None (left out) when a side was not measured or failed."""
     if why:
         return {"target": desc, "ratio": None, "ratio_best": None, "required": need, "met": None, "met_best": None,
-                "inverse": inverse, "unit": "x", "mechanisms": why, "cross_mechanism": False, "status": NOT_AVAILABLE}
+                "inverse": inverse, "unit": unit, "mechanisms": why, "cross_mechanism": False, "status": NOT_AVAILABLE}
     if not (_ok(x) and _ok(y)):
         return None
     assert x is not None and y is not None
@@ -208,7 +208,7 @@ def weight_sync_targets(rows: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
 def _uss_target(r: Mapping[str, Any], impl: str, ws: int) -> Optional[Dict[str, Any]]:
     desc = f"weight-sync {impl} n={ws}: worker USS growth <= {USS_NEED:.0%} of the model"
     if str(r.get("error", "")).startswith(NOT_AVAILABLE):
-        return _ws_target(desc, USS_NEED, None, None, True, str(r["error"]))
+        return _ws_target(desc, USS_NEED, None, None, True, str(r["error"]), unit="of model")
     if not _ok(r) or "uss_growth_bytes" not in r:
         return None
     worst = max(r["uss_growth_bytes"]) / r["size"]

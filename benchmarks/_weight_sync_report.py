@@ -139,11 +139,24 @@ def write_weight_sync_png(path: Path, rows: List[Mapping[str, Any]]) -> Optional
     axes[0].set_title(f"weight sync: {_model(rows)}", fontsize=9)
     _bars(axes[1], [r for r in counts if "error" not in r], "tensors", "{} tensors")
     axes[1].set_title("one object, 4 MiB in all, 1 worker", fontsize=9)
-    fig.tight_layout()
+    missing = _not_run(rows)
+    fig.tight_layout(rect=(0, 0.035 * min(len(missing), 4), 1, 1))
+    for i, text in enumerate(missing[:4]):  # never silently dropped: what could not run is written under the bars
+        fig.text(0.01, 0.01 + 0.03 * i, text, fontsize=7, color="0.3")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _not_run(rows: List[Mapping[str, Any]]) -> List[str]:
+    """One line per error text: 'not run (why): impl, impl at n=1,2,4'."""
+    by: Dict[str, Dict[str, List[int]]] = {}
+    for r in rows:
+        if "error" in r:
+            by.setdefault(str(r["error"])[:120], {}).setdefault(r["impl"], []).append(r["world_size"])
+    return [f"not run ({err}): " + "; ".join(f"{impl} at n={','.join(map(str, sorted(ns)))}"
+                                             for impl, ns in impls.items()) for err, impls in by.items()]
 
 
 def _bars(ax: Any, rows: List[Mapping[str, Any]], key: str, label: str) -> None:
