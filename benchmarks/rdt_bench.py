@@ -1,5 +1,5 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
-and rdt's object layer vs Ray's built-in RDT and object store.
+rdt's object layer vs Ray's built-in RDT and object store, and a model's weights synced from a trainer to workers.
 
 Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync] [--sizes 4K,1M] [--world-sizes 2,4]
 [--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
