@@ -159,11 +159,16 @@ class World:
         self.rdt_group: Any = None
         shapes = shape.shapes()
         t0 = time.monotonic()
-        infos = ray.get([self.trainer.setup_model.remote(shapes, 0.5)]
-                        + [w.setup_model.remote(shapes, 0.0) for w in self.workers], timeout=120 + self.timeout)
+        try:
+            infos = ray.get([self.trainer.setup_model.remote(shapes, 0.5)]
+                            + [w.setup_model.remote(shapes, 0.0) for w in self.workers], timeout=120 + self.timeout)
+            self._groups(group_timeout)
+        except BaseException:
+            self.close()  # the caller never gets this world to close
+            raise
         self.pids = [i["pid"] for i in infos]
-        log(f"weight-sync n={n}: {n + 1} actors with the model allocated in {time.monotonic() - t0:.1f} s")
-        self._groups(group_timeout)
+        log(f"weight-sync n={n}: {n + 1} actors with the model allocated and groups formed in "
+            f"{time.monotonic() - t0:.1f} s")
 
     def _groups(self, group_timeout: float) -> None:
         from ray.experimental.collective import create_collective_group as ray_rdt_group
@@ -246,8 +251,12 @@ class World:
                 rdt.destroy_collective_group(self.rdt_group, timeout=30)
             except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
                 log(f"weight-sync n={self.n}: destroying the rdt group failed: {_error(e)}")
+        self.rdt_group = None
         for a in self.everyone:
-            ray.kill(a)
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
 
 
 def _error(e: BaseException) -> str:

@@ -124,22 +124,27 @@ class WeightActor:
         return waited
 
     def publish_plain(self) -> Dict[str, torch.Tensor]:
+        """Plain return: the dict goes through Ray's object store."""
         return self.params
 
     @ray.method(tensor_transport="gloo")
     def publish_ray_rdt_gloo(self) -> Dict[str, torch.Tensor]:
+        """Ray's built-in RDT over its torch Gloo group."""
         return self.params
 
     @rdt.tensor_method(tensor_transport="gloo")
     def publish_rdt_gloo(self) -> Dict[str, torch.Tensor]:
+        """rdt over its Gloo group."""
         return self.params
 
     @rdt.tensor_method(tensor_transport="shm")
     def publish_rdt_shm(self) -> Dict[str, torch.Tensor]:
+        """rdt over same-node shared memory (a direct read where the kernel allows it)."""
         return self.params
 
     @rdt.tensor_method(tensor_transport="nixl")
     def publish_rdt_nixl(self) -> Dict[str, torch.Tensor]:
+        """rdt over NIXL."""
         return self.params
 
     # ------------------------------------------------------------------ worker
@@ -208,14 +213,17 @@ class WeightActor:
 
     @rdt.tensor_method(tensor_transport="gloo")
     def count_rdt_gloo(self) -> List[torch.Tensor]:
+        """The tensor-count object over rdt's Gloo group."""
         return self.count_tensors
 
     @rdt.tensor_method(tensor_transport="shm")
     def count_rdt_shm(self) -> List[torch.Tensor]:
+        """The tensor-count object over rdt's shared memory."""
         return self.count_tensors
 
     @rdt.tensor_method(tensor_transport="nixl")
     def count_rdt_nixl(self) -> List[torch.Tensor]:
+        """The tensor-count object over NIXL."""
         return self.count_tensors
 
     def consume_count(self, tensors: List[torch.Tensor]) -> float:
