@@ -34,6 +34,8 @@ class BenchConfig:
     min_iters: int = 11  # large sizes: fewer than this and one slow iteration on 2 shared cores moves the median
     max_iters: int = 50
     group_timeout: float = 30.0
+    weight_sync_scale: float = 1.0  # the weight-sync suite's model: 1 = Qwen2.5-0.5B's shapes
+    weight_sync_workers: List[int] = field(default_factory=lambda: [1, 2, 4])
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

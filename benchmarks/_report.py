@@ -179,23 +179,32 @@ def _draw_targets(ax: Any, targets: List[Dict[str, Any]]) -> None:
     """Each target as a bar of (achieved / needed), 1 = just met: green met, red missed; cross-mechanism hatched."""
     names, scores, colors, hatches, texts = [], [], [], [], []
     for t in targets:
-        v, need = max(t["ratio"], 1e-9), t["required"]
+        need = t["required"]
         names.append(t["target"])
+        hatches.append("//" if t.get("cross_mechanism") else "")
+        if t.get("met") is None:  # not available in this build: no bar, the reason as text
+            scores.append(float("nan"))
+            colors.append("0.6")
+            texts.append(str(t.get("status", "n/a")))
+            continue
+        v = max(t["ratio"], 1e-9)
         scores.append(need / v if t.get("inverse") else v / need)
         colors.append("tab:green" if t["met"] else "tab:red")
-        hatches.append("//" if t.get("cross_mechanism") else "")
         texts.append(f"{fmt_value(t)} (need {need:g}{'x' if t.get('unit', 'x') == 'x' else ' ' + t['unit']})")
     y = list(range(len(names)))
     bars = ax.barh(y, scores, color=colors, alpha=0.8)
     for bar, hatch, text in zip(bars, hatches, texts):
         bar.set_hatch(hatch)
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=6)
+        width = bar.get_width()
+        ax.text(width if width == width else 1.0, bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=6)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(y, names, fontsize=6)
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("achieved / needed (>= 1: met; hatched: cross-mechanism)")
-    ax.set_title(f"targets: {sum(t['met'] for t in targets)} of {len(targets)} met (median)")
+    na = sum(t.get("met") is None for t in targets)
+    ax.set_title(f"targets: {sum(bool(t['met']) for t in targets)} of {len(targets) - na} met (median)"
+                 + (f"; {na} not available in this build" if na else ""))
 
 
 def write_png(path: Path, rows: List[Dict[str, Any]],
@@ -272,7 +281,8 @@ def format_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], sizes: Lis
         for t in targets:
             need = f"{t['required']}x" if t.get("unit", "x") == "x" else f"{t['required']:g} {t['unit']}"
             values = [v.replace(" us", " µs") for v in (fmt_value(t), fmt_value(t, "ratio_best"), need)]
-            out.append(f"| {t['target']} | {'met' if t['met'] else '**missed**'} | " + " | ".join(values)
+            status = t.get("status", "n/a") if t.get("met") is None else ("met" if t["met"] else "**missed**")
+            out.append(f"| {t['target']} | {status} | " + " | ".join(values)
                        + f" | {t.get('mechanisms', '?')} |")
         out.append("")
     cells, order = _blocks(rows)

@@ -1,8 +1,8 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
-and rdt's object layer vs Ray's built-in RDT and object store.
+rdt's object layer vs Ray's built-in RDT and object store, and a model's weights synced from a trainer to workers.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects] [--sizes 4K,1M] [--world-sizes 2,4] [--out DIR|FILE]``,
-or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync] [--sizes 4K,1M] [--world-sizes 2,4]
+[--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
 Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
 info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. Every row names the mechanism that served it
 (``mechanism``, read at run time) and how it was timed (``mode``). A suite is a function of a
@@ -26,6 +26,9 @@ from ._cluster import ActorPool, env_mismatch, log, start_ray
 from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
 from ._objects import object_targets, objects_suite
 from ._p2p import interleaved_p2p
+from ._targets import weight_sync_targets
+from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_suite
+from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
 from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
                       write_png)
 
@@ -68,7 +71,9 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
 
 
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
-                                               "objects": objects_suite})
+                                               "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite})
+DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync"
+WEIGHT_SYNC_OBJECT_STORE_MB = 6144  # Ray's object store path puts one ~1 GB model per step; room for a few
 
 
 def parse_size(text: str) -> int:
@@ -88,7 +93,7 @@ def _csv(text: str) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--suites", default="p2p,allreduce,objects", help=f"comma list of: {', '.join(SUITES)}")
+    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)}")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
     p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
     p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
@@ -100,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-png", action="store_true", help="do not draw the plot")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--num-cpus", type=int, default=None, help="local cluster CPUs (default: max world size)")
-    p.add_argument("--object-store-mb", type=int, default=2048, help="local cluster object store size")
+    p.add_argument("--object-store-mb", type=int, default=None,
+                   help=f"local cluster object store size (default 2048, {WEIGHT_SYNC_OBJECT_STORE_MB} with weight-sync)")
+    p.add_argument("--weight-sync-scale", type=float, default=None,
+                   help="weight-sync model size: 1 = Qwen2.5-0.5B's shapes (988 MB bf16, the default); smaller "
+                   "shrinks layers and vocabulary (below 1/24 also the widths); --quick: 0.01")
+    p.add_argument("--weight-sync-workers", default="1,2,4", help="weight-sync worker counts")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="print the speed-up (B/A throughput) of every cell in both runs, and the cells in one only")
@@ -138,17 +148,28 @@ def run(args: argparse.Namespace) -> int:
     world_sizes = [int(w) for w in _csv(args.world_sizes)]
     config = BenchConfig(sizes=sizes, world_sizes=world_sizes, backends=_csv(args.backends), quick=args.quick,
                          iters=args.iters, warmup=args.warmup,
-                         group_timeout=args.group_timeout or (20.0 if args.quick else 30.0))
+                         group_timeout=args.group_timeout or (20.0 if args.quick else 30.0),
+                         weight_sync_scale=args.weight_sync_scale or (0.01 if args.quick else 1.0),
+                         weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers)])
+    try:
+        shape = model_shape(config.weight_sync_scale)
+    except ValueError as e:
+        log(str(e))
+        return 2
+    object_store_mb = args.object_store_mb or (WEIGHT_SYNC_OBJECT_STORE_MB if WEIGHT_SYNC in suites else 2048)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     json_path = out_path(args.out, stamp)
     num_cpus = args.num_cpus or max(world_sizes + [P2P_WORLD_SIZE])
     started = time.monotonic()
-    cluster = start_ray(args.address, num_cpus, args.object_store_mb << 20)
+    cluster = start_ray(args.address, num_cpus, object_store_mb << 20)
     pool = ActorPool()
     ctx = BenchContext(config=config, pool=pool)
     meta: Dict[str, Any] = {"machine": machine_info(), "cluster": cluster, "argv": sys.argv[1:],
                             "config": {"suites": suites, "sizes": sizes, "world_sizes": world_sizes,
                                        "backends": config.backends, "quick": config.quick}}
+    if WEIGHT_SYNC in suites:
+        meta["config"]["weight_sync"] = {"scale": config.weight_sync_scale, "workers": config.weight_sync_workers,
+                                         "model": shape.describe(), "model_bytes": shape.nbytes}
     rows: List[Dict[str, Any]] = []
     log(f"rdt-bench: suites={suites} sizes={[fmt_size(s) for s in sizes]} world_sizes={world_sizes} "
         f"backends={config.backends} -> {json_path}")
@@ -169,11 +190,20 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
-    meta["targets"] = check_targets(rows) + object_targets(rows)
+    meta["targets"] = check_targets(rows) + object_targets(rows) + (
+        weight_sync_targets(rows) if WEIGHT_SYNC in suites else [])
     write_json(json_path, meta, rows)
-    json_path.with_suffix(".md").write_text(format_markdown(meta, rows, sizes) + "\n")
-    png = None if args.no_png else write_png(json_path.with_suffix(".png"), rows, meta["targets"])
-    print(format_table(rows, sizes))
+    sized = [r for r in rows if r["suite"] != WEIGHT_SYNC]  # the weight-sync rows have a table of their own
+    synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
+    json_path.with_suffix(".md").write_text(format_markdown(meta, sized, sizes) + "\n"
+                                            + (weight_sync_markdown(synced) + "\n" if synced else ""))
+    png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, meta["targets"])
+    ws_png = None if args.no_png or not synced else write_weight_sync_png(
+        json_path.with_name(json_path.stem + "-weight-sync.png"), synced)
+    if sized:
+        print(format_table(sized, sizes))
+    if synced:
+        print(format_weight_sync(synced))
     ratios = compare(rows)
     if ratios:
         print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))
@@ -183,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if load > (os.cpu_count() or 1):
         print(f"\nwarning: load average was {load:.1f} on {os.cpu_count()} cores at start: timings are noisy")
     print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
-          + f"\nelapsed: {meta['elapsed_s']} s")
+          + (f"\nPNG:  {ws_png}" if ws_png else "") + f"\nelapsed: {meta['elapsed_s']} s")
     return 0 if any("error" not in r for r in rows) else 1
 
 

@@ -68,6 +68,97 @@ def test_rdt_bench_quick(tmp_path: Path) -> None:
     assert "== only in A (0) ==" in same.stdout and "== only in B (0) ==" in same.stdout
 
 
+@pytest.mark.timeout(200)
+def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
+    """rdt-bench --suites weight-sync at a tiny scale, 1 and 4 workers: every mechanism has its labelled row with
+    per-worker memory, the rdt.get(into=) rows are measured or say they are not available in this build, the
+    tensor-count objects are measured per transport, and the suite's targets are in the summary."""
+    import rdt
+
+    from benchmarks._weight_sync import CASES, COUNTS, UNAVAILABLE, model_shape
+
+    proc = _bench("--quick", "--suites", "weight-sync", "--weight-sync-scale", "0.01", "--weight-sync-workers", "1,4",
+                  "--object-store-mb", "512", "--out", str(tmp_path), timeout=180)
+    assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    (path,) = sorted(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"] if r["suite"] == "weight-sync"]
+    shape = model_shape(0.01)
+    assert data["config"]["weight_sync"]["model_bytes"] == shape.nbytes
+    by = {(r["impl"], r["world_size"], r["mode"]): r for r in rows}
+    expected = {"ray-objstore": "object_store", "ray-rdt-gloo": "ray-rdt (gloo)", "ray.collective-broadcast": "gloo",
+                "rdt-gloo": "gloo", "rdt-shm": _cma_expected(), "rdt-nixl": "nixl"}
+    into = hasattr(rdt, "get")
+    for n in (1, 4):
+        for case in CASES:
+            r = by[(case.impl, n, "sync")]
+            assert r["size"] == shape.nbytes and r["tensors"] == len(shape.shapes()) and r["consume"] == case.consume
+            if case.consume == "into" and not into:
+                assert r["error"] == UNAVAILABLE and "seconds" not in r, r  # never a made-up number
+                continue
+            assert "error" not in r, r
+            assert r["mechanism"] == expected[case.impl.split("+")[0]], r
+            assert r["seconds"] > 0 and len(r["times_s"]) == 3, r
+            assert len(r["rss_peak_bytes"]) == n and all(x > shape.nbytes for x in r["rss_peak_bytes"]), r
+            assert len(r["uss_growth_bytes"]) == n, r
+    ref = by[("inproc-copy", 1, "reference")]
+    assert ref["mechanism"] == "memcpy" and ref["seconds"] > 0
+    for count in COUNTS:
+        for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl"):
+            r = by[(impl, 1, f"tensors={count}")]
+            assert "error" not in r and r["tensors"] == count and r["size"] == 4 << 20, r
+            assert r["mechanism"] == expected[impl] and r["seconds"] > 0, r
+    targets = {t["target"]: t for t in data["targets"]}
+    assert all(t["target"].startswith("weight-sync") for t in data["targets"])
+    for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl"):
+        t = next(t for name, t in targets.items() if f"1000 vs 1 tensor (4 MiB in all) {impl}" in name)
+        assert isinstance(t["met"], bool) and t["ratio"] > 0, t
+    t = targets["weight-sync 4 workers: rdt-gloo (copy_ or into) >= 1.2x hand-written broadcast"]
+    assert isinstance(t["met"], bool) and t["mechanisms"].startswith("rdt-gloo+"), t
+    t = targets["weight-sync 4 workers: best rdt into >= 10x Ray's RDT (gloo)"]
+    assert (t["met"] is None and t["status"] == "not available in this build") if not into else \
+        isinstance(t["met"], bool), t
+    assert "== weight-sync" in proc.stdout and "rdt-shm+into" in proc.stdout
+    assert into or ("N/A  weight-sync" in proc.stdout and UNAVAILABLE in proc.stdout)
+    assert "### weight-sync" in path.with_suffix(".md").read_text()
+    assert path.with_name(path.stem + "-weight-sync.png").stat().st_size > 1000
+
+
+def test_weight_sync_model_shape() -> None:
+    """The default model has Qwen2.5-0.5B's shapes: 290 tensors, 494 M parameters, 988 MB in bf16."""
+    from benchmarks._weight_sync import model_shape
+
+    full = model_shape()
+    shapes = dict(full.shapes())
+    assert len(shapes) == 290 and full.params == 494_032_768 and full.nbytes == 988_065_536
+    assert shapes["model.embed_tokens.weight"] == (151936, 896)
+    assert shapes["model.layers.23.self_attn.k_proj.weight"] == (128, 896)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (896, 4864)
+    small = model_shape(0.01)
+    assert small.layers == 1 and small.nbytes < full.nbytes // 100
+
+
+def test_weight_sync_wrong_marker_is_an_error(ray_cluster) -> None:
+    """A worker whose parameters do not end up with the trainer's marker fails the step (it is not timed)."""
+    import ray
+    import torch
+
+    from benchmarks._weight_sync import model_shape
+    from benchmarks._weight_sync_actor import WrongMarkerError, actor_class
+
+    shapes = model_shape(0.002).shapes()
+    worker = actor_class().remote()
+    try:
+        ray.get(worker.setup_model.remote(shapes, 0.0), timeout=60)
+        good = {name: torch.full(shape, 7.0, dtype=torch.bfloat16) for name, shape in shapes}
+        assert ray.get(worker.load.remote(good, 7.0), timeout=60) == 7.0
+        stale = dict(good, **{shapes[-1][0]: torch.full(shapes[-1][1], 6.0, dtype=torch.bfloat16)})
+        with pytest.raises(WrongMarkerError, match="model.norm.weight"):
+            ray.get(worker.load.remote(stale, 7.0), timeout=60)
+    finally:
+        ray.kill(worker)
+
+
 def _check_labels(rows: List[Dict[str, Any]]) -> None:
     """Every row has a mechanism; the ones this machine determines are what ran."""
     assert all(r.get("mechanism") for r in rows), [r for r in rows if not r.get("mechanism")]

@@ -1,0 +1,237 @@
+"""The weight-sync suite's actor: a trainer that publishes its bf16 state dict every step by each mechanism, or a
+worker that loads it into its own preallocated parameters and checks the trainer's marker value.
+
+One class plays both roles so that the trainer and the workers can be in the same groups. Private memory (USS)
+and resident memory are read from ``/proc/self/smaps_rollup`` inside the actor, sampled every few milliseconds
+while a sync runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import ray
+import torch
+
+import rdt
+
+Shape = Tuple[int, ...]
+PAGE_FLOATS = 1024
+SAMPLE_S = 0.003
+
+
+class WrongMarkerError(AssertionError):
+    """A worker's parameters do not hold the marker the trainer published: the sync moved the wrong data."""
+
+
+def read_memory() -> Dict[str, int]:
+    """This process's resident memory and private memory (USS: Private_Clean + Private_Dirty + Private_Hugetlb)."""
+    fields: Dict[str, int] = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Private_Clean", "Private_Dirty", "Private_Hugetlb"):
+                fields[key] = int(rest.split()[0]) * 1024
+    uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0) + fields.get("Private_Hugetlb", 0)
+    return {"rss": fields.get("Rss", 0), "uss": uss}
+
+
+class MemorySampler:
+    """Peak RSS and USS of this process, sampled every SAMPLE_S seconds between start() and stop()."""
+
+    def __init__(self) -> None:
+        self.before = read_memory()
+        self.peak = dict(self.before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-sync-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(SAMPLE_S)
+
+    def _sample(self) -> None:
+        now = read_memory()
+        for k, v in now.items():
+            self.peak[k] = max(self.peak[k], v)
+
+    def stop(self) -> Dict[str, int]:
+        """Stop sampling; the idle and peak values (bytes)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+        return {"rss_before": self.before["rss"], "rss_peak": self.peak["rss"], "uss_before": self.before["uss"],
+                "uss_peak": self.peak["uss"]}
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0); nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _touch(t: torch.Tensor) -> float:
+    return float(t.view(-1)[::PAGE_FLOATS].float().sum())
+
+
+class WeightActor:
+    """Trainer or worker of the weight-sync suite (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.params: Dict[str, torch.Tensor] = {}
+        self.markers: List[str] = []
+        self.count_tensors: List[torch.Tensor] = []
+        self.sampler: Optional[MemorySampler] = None
+        self.uss_params = 0
+
+    # ------------------------------------------------------------------ set-up
+    def setup_model(self, shapes: Sequence[Tuple[str, Shape]], fill: float) -> Dict[str, int]:
+        """Allocate the state dict (bf16, every page written); the marker tensors are the first, middle and last."""
+        self.params = {name: torch.full(shape, fill, dtype=torch.bfloat16) for name, shape in shapes}
+        names = list(self.params)
+        self.markers = sorted({names[0], names[len(names) // 2], names[-1]}, key=names.index)
+        self.uss_params = read_memory()["uss"]
+        return {"pid": os.getpid(), "uss": self.uss_params}
+
+    def configure(self, **kwargs: Any) -> None:
+        """rdt.configure in this actor (pool sizes, inline threshold)."""
+        rdt.configure(**kwargs)
+
+    def bcast_join(self, world_size: int, rank: int, group: str, timeout_ms: int) -> int:
+        """Join the hand-written baseline's ray.util.collective Gloo group."""
+        import ray.util.collective as col
+
+        col.init_collective_group(world_size, rank, backend="gloo", group_name=group, gloo_timeout=timeout_ms)
+        return rank
+
+    # ------------------------------------------------------------------ trainer
+    def update(self, value: float, wait_freed: bool, timeout: float) -> bool:
+        """The training step's in-place update: set the marker elements to ``value``; for rdt rows first wait
+        until rdt no longer holds the tensors (when this build has ``rdt.wait_tensor_freed``). Returns whether
+        it waited."""
+        waited = wait_freed and hasattr(rdt, "wait_tensor_freed")
+        for name in self.markers:
+            if waited:
+                rdt.wait_tensor_freed(self.params[name], timeout=timeout)
+            self.params[name].view(-1)[0] = value
+        return waited
+
+    def publish_plain(self) -> Dict[str, torch.Tensor]:
+        """Plain return: the dict goes through Ray's object store."""
+        return self.params
+
+    @ray.method(tensor_transport="gloo")
+    def publish_ray_rdt_gloo(self) -> Dict[str, torch.Tensor]:
+        """Ray's built-in RDT over its torch Gloo group."""
+        return self.params
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def publish_rdt_gloo(self) -> Dict[str, torch.Tensor]:
+        """rdt over its Gloo group."""
+        return self.params
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def publish_rdt_shm(self) -> Dict[str, torch.Tensor]:
+        """rdt over same-node shared memory (a direct read where the kernel allows it)."""
+        return self.params
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def publish_rdt_nixl(self) -> Dict[str, torch.Tensor]:
+        """rdt over NIXL."""
+        return self.params
+
+    # ------------------------------------------------------------------ worker
+    def check(self, expect: float) -> float:
+        """Raise WrongMarkerError unless every marker element of the parameters equals ``expect``."""
+        got = {name: float(self.params[name].view(-1)[0]) for name in self.markers}
+        bad = {k: v for k, v in got.items() if v != expect}
+        if bad:
+            raise WrongMarkerError(f"worker pid {os.getpid()}: markers {bad} != {expect} after the sync")
+        return expect
+
+    def load(self, value: Dict[str, torch.Tensor], expect: float) -> float:
+        """copy_ the received state dict into the parameters, then check the marker."""
+        for name, t in value.items():
+            self.params[name].copy_(t)
+        return self.check(expect)
+
+    def load_into(self, refs: List[Any], expect: float, timeout: float) -> float:
+        """rdt.get(ref, into=parameters): the tensors land in the parameters directly; then check the marker."""
+        rdt.get(refs[0], into=self.params, timeout=timeout)  # type: ignore[attr-defined]
+        return self.check(expect)
+
+    def bcast(self, group: str, expect: Optional[float]) -> float:
+        """Hand-written baseline: one ray.util.collective.broadcast per tensor from rank 0 (the trainer) straight
+        into every worker's parameters."""
+        import ray.util.collective as col
+
+        for t in self.params.values():
+            col.broadcast(t, 0, group)
+        return self.check(expect) if expect is not None else 0.0
+
+    def copy_reference(self, warmup: int, iters: int) -> List[float]:
+        """In-process reference: seconds of ``dst.copy_(src)`` over the whole model, warm."""
+        src = {name: t.clone() for name, t in self.params.items()}
+        times = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            for name, t in src.items():
+                self.params[name].copy_(t)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        del src
+        return times
+
+    # ------------------------------------------------------------------ memory
+    def memory_start(self) -> Dict[str, int]:
+        """Hand freed heap back to the kernel (glibc keeps it otherwise, and earlier steps' buffers would hide this
+        step's growth), then start sampling this process's RSS and USS; returns the idle USS over the params."""
+        _malloc_trim()
+        self.sampler = MemorySampler()
+        return {"uss_idle_over_params": self.sampler.before["uss"] - self.uss_params, "uss_params": self.uss_params,
+                "torch_threads": torch.get_num_threads()}
+
+    def memory_stop(self) -> Dict[str, int]:
+        """Stop sampling; idle and peak RSS/USS during the sync."""
+        sampler, self.sampler = self.sampler, None
+        if sampler is None:
+            raise RuntimeError("memory_stop without memory_start")
+        return sampler.stop()
+
+    # ------------------------------------------------------------------ tensor-count objects
+    def make_count(self, count: int, total_bytes: int) -> int:
+        """``count`` float32 tensors of ``total_bytes`` in all, filled with ones."""
+        self.count_tensors = [torch.ones(total_bytes // 4 // count) for _ in range(count)]
+        return sum(t.numel() for t in self.count_tensors)
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def count_rdt_gloo(self) -> List[torch.Tensor]:
+        """The tensor-count object over rdt's Gloo group."""
+        return self.count_tensors
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def count_rdt_shm(self) -> List[torch.Tensor]:
+        """The tensor-count object over rdt's shared memory."""
+        return self.count_tensors
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def count_rdt_nixl(self) -> List[torch.Tensor]:
+        """The tensor-count object over NIXL."""
+        return self.count_tensors
+
+    def consume_count(self, tensors: List[torch.Tensor]) -> float:
+        """Plain consumption: touch one float per 4 KiB page of every tensor; the checksum for the driver."""
+        return sum(_touch(t) for t in tensors)
+
+
+def actor_class() -> Any:
+    """The remote class: no CPU reserved (the workers only wait on I/O and copy), Ray's RDT enabled (its
+    consumers need enable_tensor_transport=True), no restarts."""
+    return ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)(WeightActor)
