@@ -23,7 +23,7 @@ import ray
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cma, _consumer, _control, _producer, _shm, transports
+from . import _cma, _consumer, _control, _producer, _ready, _shm, transports
 from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
@@ -125,6 +125,8 @@ class RdtContext:
         self._tokens: Optional[_TokenPool] = None
         self._tag_counters: Dict[str, int] = {}
         self._transport_states: Dict[str, Any] = {}
+        # How objects' ready events are made (CUDA events on the stream current at return; see _ready)
+        self.stream_discipline = _ready.Discipline()
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)

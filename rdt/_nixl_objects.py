@@ -21,6 +21,8 @@ import torch
 
 from rdt_transports import _lifecycle
 
+from ._ready import wait_ready
+
 if TYPE_CHECKING:
     from ._context import RdtContext
     from ._table import Entry
@@ -230,9 +232,9 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
     known = entry.exports.get("nixl")
     if known is not None:
         return known[1]
+    wait_ready(entry)  # a one-sided READ follows no stream: the writes queued before the return must be done
     ag = agent(ctx)
     bufs = entry.buffers
-    _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
     types = [mem_type_of(b) for b in bufs]
     groups = group_by_mem_type(types) or [("DRAM", [])]
     regs: List[Any] = []
