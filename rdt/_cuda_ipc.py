@@ -17,9 +17,8 @@ Mechanism (torch's own CUDA IPC, the one ``torch.multiprocessing`` uses):
     does not depend on the producer afterwards. Same GPU: a device-local copy. Another GPU: a peer copy.
   - ``ipc_map=True`` (``@rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)``): no copy. The
     leaves are views of the producer's memory. Treat them as read-only: writes land in the producer's tensor.
-    Each mapped leaf holds the object's lifetime token, so the producer keeps the memory while a mapped leaf
-    is alive. Views derived from it do not hold the token, so keep the leaf (or the ObjectRef) alive for as
-    long as you use them.
+    The storage of each mapped buffer holds the object's lifetime token, so the producer keeps the memory while
+    any tensor on it lives: the leaves, views derived from them, numpy and cupy leaves.
 
 * Lifetime: torch counts one pending "message" per ``_share_cuda_`` call (with a reference slot and an
   inter-process event each) and keeps a freed block in limbo until that count drops to zero. So a storage is
@@ -240,7 +239,7 @@ def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
     do_map = info.map if map_only is None else map_only
     mapped = [_open(b, visible[b.device_uuid]) for b in info.buffers]
     if do_map:
-        return mapped  # the consumer core pins the object's lifetime token on every leaf (Fetched.keepalive)
+        return mapped  # the consumer core hangs the object's lifetime token on their storages (Fetched.keepalive)
     target = device if device is not None else target_device()
     if target is None:
         raise UnsupportedError("CUDA IPC needs a CUDA device in the consumer",
