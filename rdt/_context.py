@@ -230,7 +230,15 @@ class RdtContext:
             "recv_pool": {"bytes": self.buffers.idle_bytes(), "hits": self.buffers.hits,
                           "misses": self.buffers.misses},
             "control_rejected": self._server.rejected if self._server is not None else 0,
+            "exported_storages": self.exported_storages(),
         }
+
+    def exported_storages(self) -> Dict[str, int]:
+        """Storages this process keeps exported for live objects: NIXL registrations and CUDA IPC shares."""
+        with self._lock:
+            ipc = self._transport_states.get("cuda_ipc")
+        return {"nixl": len(self.nixl.registrations) if self.nixl is not None else 0,
+                "cuda_ipc": len(ipc) if ipc is not None else 0}
 
     def control_handlers(self) -> Dict[int, Any]:
         """What this process's control server answers: a ping, its stats (to the stats key), and every
