@@ -71,3 +71,71 @@ def test_parts_are_packed_into_the_fewest_calls_that_fit():
                                                  ["ray.part001"]])
     with pytest.raises(SystemExit, match="exceeds"):
         gc.pack([("huge", 60 * mib)], 52 * mib)
+
+
+def _probe_wheel(path: Path) -> Path:
+    """A minimal pure-Python wheel (no network): what the run step joins, checks and installs."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {"rdtprobe/__init__.py": b"VALUE = 42\n",
+             "rdtprobe-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: rdtprobe\nVersion: 0.1\n",
+             "rdtprobe-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              b"Tag: py3-none-any\n"}
+    record = [f"{k},sha256={base64.urlsafe_b64encode(hashlib.sha256(v).digest()).rstrip(b'=').decode()},{len(v)}"
+              for k, v in files.items()] + ["rdtprobe-0.1.dist-info/RECORD,,"]
+    files["rdtprobe-0.1.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    whl = path / "rdtprobe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return whl
+
+
+def test_stage_then_run_installs_the_joined_wheel_and_writes_the_report(tmp_path):
+    """The device-side steps on CPU: a first call stages its parts, the last joins, installs and reports (the GPU
+    tests show as skipped here and the benchmark finds no CUDA; on a GPU machine they run)."""
+    gc = _script()
+    whl = _probe_wheel(tmp_path)
+    parts = gc.split(whl, tmp_path / "parts", 400)
+    assert len(parts) >= 2
+    manifest = {"wheels": {whl.name: {"sha256": gc.sha256(whl), "bytes": whl.stat().st_size,
+                                      "parts": [p.name for p in parts]}}, "calls": [[parts[0].name],
+                                                                                   [p.name for p in parts[1:]]]}
+    wheels, tmp, out = tmp_path / "wheels", tmp_path / "device-tmp", tmp_path / "out"
+    env = dict(os.environ, RDT_GPU_CHECK_WHEELS=str(wheels), RDT_GPU_CHECK_TMP=str(tmp), OUT=str(out),
+               PYTHONPATH="")
+
+    def call(n: int, verb: str) -> subprocess.CompletedProcess:
+        import json
+        import shutil
+
+        shutil.rmtree(wheels, ignore_errors=True)  # each call carries only its own folder
+        d = wheels / f"call-{n}"
+        d.mkdir(parents=True)
+        for name in manifest["calls"][n - 1]:
+            shutil.copy(tmp_path / "parts" / name, d / name)
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        return subprocess.run([sys.executable, str(SCRIPT), verb, "--sizes", "1M"], cwd=ROOT, capture_output=True,
+                              text=True, env=env, timeout=240)
+
+    first = call(1, "stage")
+    assert first.returncode == 0, first.stdout + first.stderr
+    last = call(2, "run")
+    assert (tmp / "rdt-gpu-site" / "rdtprobe" / "__init__.py").read_text() == "VALUE = 42\n"
+    report = (out / "gpu-check-report.md").read_text()
+    assert "installed: rdtprobe-0.1-py3-none-any.whl" in report
+    assert "tests/test_gpu.py::test_cuda_ipc_copy_between_actors_on_one_gpu" in report
+    if not torch_cuda():
+        assert "| skipped | needs CUDA" in report and last.returncode == 1  # the benchmark had nothing to measure
+    # a lost part is named, not installed half
+    (tmp / "rdt-gpu-wheels" / parts[0].name).unlink()
+    again = call(2, "run")
+    assert again.returncode != 0 and "missing" in again.stderr + again.stdout
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
