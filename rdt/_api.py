@@ -37,7 +37,8 @@ def _empty_stats() -> Dict[str, Any]:
     """What a process that never loaded rdt holds: nothing."""
     return {"objects": 0, "bytes": 0, "freed": 0, "transfers": {}, "paths": {}, "shm_segments": 0,
             "shm_pool": {"segments": 0, "bytes": 0, "hits": 0, "misses": 0},
-            "recv_pool": {"bytes": 0, "hits": 0, "misses": 0}, "control_rejected": 0}
+            "recv_pool": {"bytes": 0, "hits": 0, "misses": 0}, "control_rejected": 0,
+            "exported_storages": {"nixl": 0, "cuda_ipc": 0}}
 
 
 def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:

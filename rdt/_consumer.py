@@ -54,9 +54,9 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     ctx.stats.add(name, "in", meta.nbytes, elapsed, path=fetched.label)
     logger.debug("rdt: fetched object=%s producer=%s path=%s bytes=%d in %.4fs", meta.id_hex,
                  meta.producer.actor_id[:12], fetched.label, meta.nbytes, elapsed)
-    leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
     if fetched.keepalive is not None:
-        _keep_alive(leaves, fetched.keepalive)
+        keep_alive(fetched.buffers, fetched.keepalive)
+    leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
     if task is not None and len(meta.specs):
         _remember(ctx, key, leaves)
     return unflatten(meta.skeleton, leaves)
@@ -172,11 +172,12 @@ def _remember(ctx: Any, key: Tuple[Any, bytes], leaves: List[Any]) -> None:
         pass
 
 
-def _keep_alive(leaves: List[Any], holder: Any) -> None:
-    """Each leaf holds ``holder`` (e.g. the lifetime token of the producer memory it views)."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            try:
-                leaf._rdt_keepalive = holder
-            except (AttributeError, TypeError):  # a tensor subclass without __dict__
-                pass
+def keep_alive(buffers: List[torch.Tensor], holder: Any) -> None:
+    """The storage of each buffer holds ``holder`` (e.g. the lifetime token of the producer memory it maps), so every
+    tensor on that storage keeps it: the leaves, views derived from them, numpy and cupy leaves (which hold their
+    tensor). torch keeps a storage's Python object, and its attributes, for as long as the storage lives."""
+    for buf in buffers:
+        try:
+            buf.untyped_storage()._rdt_keepalive = holder
+        except (AttributeError, TypeError):  # a storage kind without attributes: nothing to hang it on
+            pass

@@ -23,7 +23,7 @@ import ray
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cma, _consumer, _control, _producer, _shm, transports
+from . import _cma, _consumer, _control, _producer, _ready, _shm, transports
 from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
@@ -125,6 +125,8 @@ class RdtContext:
         self._tokens: Optional[_TokenPool] = None
         self._tag_counters: Dict[str, int] = {}
         self._transport_states: Dict[str, Any] = {}
+        # How objects' ready events are made (CUDA events on the stream current at return; see _ready)
+        self.stream_discipline = _ready.Discipline()
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
@@ -228,7 +230,15 @@ class RdtContext:
             "recv_pool": {"bytes": self.buffers.idle_bytes(), "hits": self.buffers.hits,
                           "misses": self.buffers.misses},
             "control_rejected": self._server.rejected if self._server is not None else 0,
+            "exported_storages": self.exported_storages(),
         }
+
+    def exported_storages(self) -> Dict[str, int]:
+        """Storages this process keeps exported for live objects: NIXL registrations and CUDA IPC shares."""
+        with self._lock:
+            ipc = self._transport_states.get("cuda_ipc")
+        return {"nixl": len(self.nixl.registrations) if self.nixl is not None else 0,
+                "cuda_ipc": len(ipc) if ipc is not None else 0}
 
     def control_handlers(self) -> Dict[int, Any]:
         """What this process's control server answers: a ping, its stats (to the stats key), and every

@@ -17,9 +17,8 @@ Mechanism (torch's own CUDA IPC, the one ``torch.multiprocessing`` uses):
     does not depend on the producer afterwards. Same GPU: a device-local copy. Another GPU: a peer copy.
   - ``ipc_map=True`` (``@rdt.tensor_method(tensor_transport="cuda_ipc", ipc_map=True)``): no copy. The
     leaves are views of the producer's memory. Treat them as read-only: writes land in the producer's tensor.
-    Each mapped leaf holds the object's lifetime token, so the producer keeps the memory while a mapped leaf
-    is alive. Views derived from it do not hold the token, so keep the leaf (or the ObjectRef) alive for as
-    long as you use them.
+    The storage of each mapped buffer holds the object's lifetime token, so the producer keeps the memory while
+    any tensor on it lives: the leaves, views derived from them, numpy and cupy leaves.
 
 * Lifetime: torch counts one pending "message" per ``_share_cuda_`` call (with a reference slot and an
   inter-process event each) and keeps a freed block in limbo until that count drops to zero. So a storage is
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from ._storage_cache import StorageCache
 
 logger = logging.getLogger("rdt")
 
@@ -124,49 +125,18 @@ def target_device() -> Optional[torch.device]:
 ShareKey = Tuple[int, int, int]  # (device index, storage address, storage bytes)
 
 
-class ShareCache:
+class ShareCache(StorageCache[ShareKey, Tuple[Any, ...]]):
     """One CUDA IPC share per storage, however many live objects (or returns of the same weights) use it.
 
     torch adds a reference slot and an inter-process event for every ``_share_cuda_`` call, so sharing at every
     return of weights returned each step grows both without bound (and past torch's event cap every export
     synchronises). Here a storage is shared on its first use, counted per object, and its share settled when the
-    last object using it is freed. The storage itself is held while shared, so its address cannot be reused.
-    ``share``/``settle`` are injected (torch's in production) so the bookkeeping is tested without CUDA.
+    last object using it is freed (see ``_storage_cache``). ``share``/``settle`` are injected (torch's in
+    production) so the bookkeeping is tested without CUDA.
     """
 
     def __init__(self, share: Callable[[Any], Tuple[Any, ...]], settle: Callable[[Tuple[Any, ...]], None]) -> None:
-        self._share = share
-        self._settle = settle
-        self._lock = threading.Lock()
-        self._live: Dict[ShareKey, List[Any]] = {}  # key -> [share tuple, users, storage]
-
-    def acquire(self, key: ShareKey, storage: Any) -> Tuple[Any, ...]:
-        """The share of ``storage`` (made now if it is not shared yet); one more user."""
-        with self._lock:
-            known = self._live.get(key)
-            if known is None:
-                known = self._live[key] = [self._share(storage), 0, storage]
-            known[1] += 1
-            return known[0]
-
-    def release(self, key: ShareKey) -> None:
-        """One user fewer; the last one settles the share. Never raises."""
-        with self._lock:
-            known = self._live.get(key)
-            if known is None:
-                return
-            known[1] -= 1
-            if known[1] > 0:
-                return
-            del self._live[key]
-        try:
-            self._settle(known[0])
-        except Exception:  # noqa: BLE001 - freeing must never fail
-            logger.debug("rdt: settling a CUDA IPC share failed", exc_info=True)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._live)
+        super().__init__(lambda _key, storage: share(storage), settle)
 
 
 def _share_storage(storage: Any) -> Tuple[Any, ...]:
@@ -197,22 +167,32 @@ def _describe(buf: torch.Tensor, share: Tuple[Any, ...]) -> IpcBuffer:
                      buf.storage_offset() * buf.element_size(), buf.numel() * buf.element_size())
 
 
-def export(entry: Any, cache: ShareCache, ipc_map: bool = False) -> CudaIpcInfo:
+def export(entry: Any, cache: ShareCache, ipc_map: bool = False,
+           wait_ready: Callable[[Any], None] = lambda _entry: None) -> CudaIpcInfo:
     """Describe every buffer of ``entry`` (all CUDA) through ``cache``; the keys it used are kept on the entry so
-    :func:`release` returns them when the object is freed."""
+    :func:`release` returns them when the object is freed.
+
+    A fresh share carries an IPC event torch records on the stream current now (at return), which the consumer
+    waits on; a reused share carries the event of its first export, which does not cover this object's pending
+    writes. So where a share was reused, ``wait_ready(entry)`` (``_ready.wait_ready``) blocks until they are done.
+    """
     items: List[IpcBuffer] = []
     keys: List[ShareKey] = []
+    reused = False
     bufs = entry.flat.buffers
     try:
         for i, buf in enumerate(bufs):
             try:
-                share = cache.acquire(_key(buf), buf.untyped_storage())
+                share, fresh = cache.take(_key(buf), buf.untyped_storage())
             except RuntimeError as e:  # not caching-allocator memory (e.g. a cupy array): share a torch copy
                 logger.debug("rdt: buffer %d cannot be shared in place (%s); sharing a copy", i, e)
                 bufs[i] = buf = buf.clone()
-                share = cache.acquire(_key(buf), buf.untyped_storage())
+                share, fresh = cache.take(_key(buf), buf.untyped_storage())
+            reused = reused or not fresh
             keys.append(_key(buf))
             items.append(_describe(buf, share))
+        if reused:
+            wait_ready(entry)
     except BaseException:
         for key in keys:
             cache.release(key)
@@ -259,7 +239,7 @@ def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
     do_map = info.map if map_only is None else map_only
     mapped = [_open(b, visible[b.device_uuid]) for b in info.buffers]
     if do_map:
-        return mapped  # the consumer core pins the object's lifetime token on every leaf (Fetched.keepalive)
+        return mapped  # the consumer core hangs the object's lifetime token on their storages (Fetched.keepalive)
     target = device if device is not None else target_device()
     if target is None:
         raise UnsupportedError("CUDA IPC needs a CUDA device in the consumer",

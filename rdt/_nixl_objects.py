@@ -21,6 +21,10 @@ import torch
 
 from rdt_transports import _lifecycle
 
+from ._ready import wait_ready
+from .transports.base import SetupFailed
+from ._storage_cache import StorageCache
+
 if TYPE_CHECKING:
     from ._context import RdtContext
     from ._table import Entry
@@ -100,8 +104,21 @@ class _Remote:
     inflight: int = 0
 
 
+RegKey = Tuple[str, int, int, int]  # (memory type, device id, storage address, storage bytes)
+
+
+def storage_key(buf: torch.Tensor) -> RegKey:
+    """The registration that covers ``buf``: its whole untyped storage (weights returned every step map to one)."""
+    storage = buf.untyped_storage()
+    return mem_type_of(buf), max(buf.get_device(), 0), storage.data_ptr(), storage.nbytes()
+
+
 class NixlAgent:
-    """This process's NIXL agent, and which remote agents it has loaded.
+    """This process's NIXL agent, which remote agents it has loaded, and its producer-side registrations.
+
+    Producer side: one registration per storage (:attr:`registrations`, keyed by :func:`storage_key`), made when the
+    first object using the storage is registered and deregistered with the last one; a GPUDirect registration costs
+    milliseconds, and the same weights returned every step would otherwise be registered at every return.
 
     Each fetch loads the producer's partial metadata (connection info plus that object's registrations), which
     NIXL keeps until the remote agent is removed. So that this stays bounded over a long job, a remote agent
@@ -127,8 +144,18 @@ class NixlAgent:
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
         # memory).
         self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
+        self.registrations: StorageCache[RegKey, Any] = StorageCache(self._register_storage, self._deregister)
         self._stop = threading.Event()
         self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
+
+    def _register_storage(self, key: RegKey, _storage: Any) -> Any:
+        mem, dev, addr, nbytes = key
+        with self.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
+            return self.agent.register_memory([(addr, nbytes, dev, "")], mem)
+
+    def _deregister(self, reg: Any) -> None:
+        with self.lock:
+            self.agent.deregister_memory(reg)
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the progress thread (before the interpreter finalizes: it calls into NIXL); True if it ended."""
@@ -226,45 +253,48 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
 
 
 def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
-    """Register an object's buffers (once, one registration per memory type) and describe them for consumers."""
+    """Describe an object's buffers for consumers (once per object), registering each storage it uses unless a live
+    object registered it already; the object counts as one user of each (see :func:`release`)."""
     known = entry.exports.get("nixl")
     if known is not None:
         return known[1]
-    ag = agent(ctx)
     bufs = entry.buffers
-    _sync_cuda(bufs)  # a one-sided READ does not follow the producer's stream: finish pending writes first
+    if not bufs:  # only empty tensors: such objects travel inline, never here
+        raise SetupFailed(f"object {entry.obj_id.hex()} has no bytes to register with NIXL")
+    wait_ready(entry)  # a one-sided READ follows no stream: the writes queued before the return must be done
+    ag = agent(ctx)
     types = [mem_type_of(b) for b in bufs]
-    groups = group_by_mem_type(types) or [("DRAM", [])]
-    regs: List[Any] = []
-    with ag.lock:  # the agent is not thread-safe: frees (Ray's callback thread) race with registrations
-        try:
-            for _, idx in groups:
-                regs.append(ag.agent.register_memory([bufs[i] for i in idx]))
-            # Partial metadata: connection info plus just this object's registrations, so it stays small however
-            # many objects are alive, and is never stale (full metadata fetched once would miss later ones).
-            mds = [ag.agent.get_partial_agent_metadata(reg, True) for reg in regs]
-        except BaseException:
-            for reg in regs:
-                ag.agent.deregister_memory(reg)
-            raise
+    keys: List[RegKey] = []
+    try:
+        for b in bufs:
+            key = storage_key(b)
+            if key not in keys:  # views of one storage: one user per object
+                ag.registrations.acquire(key, b.untyped_storage())
+                keys.append(key)
+        with ag.lock:
+            # Partial metadata: connection info plus just this object's storages' registrations, so it stays small
+            # however many objects are alive, and is never stale (full metadata fetched once would miss later ones).
+            # NIXL's partial metadata covers one memory type per call: one blob per type, in order of appearance.
+            mds = [ag.agent.get_partial_agent_metadata(
+                ag.agent.get_reg_descs([(k[2], k[3], k[1], "") for k in keys if k[0] == mem], mem), True)
+                for mem, _ in group_by_mem_type(types)]
+    except BaseException:
+        for key in keys:
+            ag.registrations.release(key)
+        raise
     descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
     info = NixlInfo(ag.name, mds[0], "VRAM" if "VRAM" in types else "DRAM", descs, tuple(types), tuple(mds[1:]))
-    entry.exports["nixl"] = (regs, info)
+    entry.exports["nixl"] = (tuple(keys), info)
     return info
 
 
 def release(ctx: "RdtContext", entry: "Entry") -> None:
-    """Deregister an object's buffers when it is freed."""
+    """The object was freed: it is one user fewer of each storage registration (the last one deregisters)."""
     known = entry.exports.pop("nixl", None)
     if known is None or ctx.nixl is None:
         return
-    regs, _ = known
-    for reg in regs:
-        try:
-            with ctx.nixl.lock:
-                ctx.nixl.agent.deregister_memory(reg)
-        except Exception:  # deregistration failure must not break freeing
-            pass
+    for key in known[0]:
+        ctx.nixl.registrations.release(key)  # never raises
 
 
 def encode_info(info: NixlInfo) -> bytes:

@@ -11,7 +11,7 @@ import logging
 import secrets
 from typing import Any, List, Optional, Tuple
 
-from . import transports
+from . import _ready, transports
 from ._flatten import Flattened, flatten, leaf_from_buffer
 from ._meta import ObjectMeta
 from ._ray_hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
@@ -35,6 +35,8 @@ def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, tim
         check_devices(flat, chosen.capabilities)
     info = ctx.producer_info()
     entry = Entry(secrets.token_bytes(16), flat, transport)
+    # Once per object, on the streams current at return: every export and serve waits on it before reading bytes.
+    entry.ready = _ready.record(ctx.stream_discipline, flat.buffers)
     if ipc_map:
         entry.options["ipc_map"] = True
     for carrier in transports.self_contained():

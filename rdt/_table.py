@@ -49,6 +49,7 @@ class Entry:
     # Per-transport state attached by export/serve (a segment, a registration, a guard), released with the entry
     exports: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)  # per-object producer options (e.g. ipc_map)
+    ready: Optional[Any] = None  # _ready.Ready: events recorded at return, waited on before the bytes are read
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

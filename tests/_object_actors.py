@@ -109,6 +109,13 @@ class Node:
         self.kept = torch.ones(numel)
         return self.kept
 
+    @rdt.tensor_method(tensor_transport="nixl")
+    def weights_nixl(self, numel: int = 1 << 16) -> Any:
+        """The same tensors at every call (weights returned every step)."""
+        if getattr(self, "weights", None) is None:
+            self.weights = {"w": torch.ones(numel), "b": torch.zeros(16)}
+        return self.weights
+
     def mutate_kept(self, value: float) -> None:
         self.kept.fill_(value)
 

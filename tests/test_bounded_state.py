@@ -110,10 +110,13 @@ def _nixl_ctx() -> types.SimpleNamespace:
 def test_nixl_consumer_keeps_bounded_remote_metadata_over_10000_fetches() -> None:
     producer, consumer = _nixl_ctx(), _nixl_ctx()
     try:
-        arena = torch.arange(STEPS * 16, dtype=torch.int32).to(torch.uint8)  # one distinct region per object
+        # One distinct region per object, each its own storage (the producer registers whole storages), all kept
+        # alive so that no two objects' addresses coincide.
+        arena = torch.arange(STEPS * 16, dtype=torch.int32).to(torch.uint8)
+        regions = [arena[i * 16:(i + 1) * 16].clone() for i in range(STEPS)]
         descs = []
         for i in range(STEPS):
-            region = arena[i * 16:(i + 1) * 16]
+            region = regions[i]
             entry = Entry(secrets.token_bytes(16), flatten(region), "nixl")
             info = _nixl_objects.register(producer, entry)
             descs.append(info.descs)

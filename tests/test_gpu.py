@@ -53,6 +53,33 @@ class GpuNode:
     def make_nccl(self, n, v):
         return torch.full((n,), v, device="cuda")
 
+    def _slow_fill(self, n, v):
+        """The same storage every call, filled by a kernel still running at return on a stream that stays current
+        after it (what rdt/_ready covers: every path must wait for it before reading)."""
+        if getattr(self, "side", None) is None:
+            self.side = torch.cuda.Stream()
+            torch.cuda.set_stream(self.side)
+            self.slow_buf = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(int(5e8))  # ~0.25 s of GPU time queued before the write
+        self.slow_buf.fill_(v)
+        return self.slow_buf
+
+    @rdt.tensor_method(tensor_transport="cuda_ipc")
+    def slow_ipc(self, n, v):
+        return self._slow_fill(n, v)
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def slow_nixl(self, n, v):
+        return self._slow_fill(n, v)
+
+    @rdt.tensor_method(tensor_transport="auto")
+    def slow_auto(self, n, v):
+        return self._slow_fill(n, v)
+
+    @rdt.tensor_method(tensor_transport="object_store")
+    def slow_store(self, n, v):
+        return self._slow_fill(n, v)
+
     @rdt.tensor_method(tensor_transport="gloo")
     def cuda_on_gloo(self):
         return torch.ones(4, device="cuda")
@@ -166,6 +193,18 @@ def test_ray_get_of_gpu_object_on_the_driver(shared_gpu):
     # The driver gets GPU objects on its current GPU when it has one (this test process does), else on CPU.
     assert w.device.type == "cuda"
     assert float(w.sum()) == 5.0 * N and value["b"].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("method", ["slow_ipc", "slow_auto", "slow_store", pytest.param(
+    "slow_nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'rdt[nixl]'"))])
+def test_kernels_pending_at_return_are_done_before_anyone_reads(shared_gpu, method):
+    """Stream discipline (rdt/_ready): the producer's pending write lands before a consumer or the driver reads, the
+    second time too (the same storage's cached IPC share / NIXL registration carries no event of its own)."""
+    a, b = shared_gpu
+    for v in (7.0, 8.0):
+        ref = getattr(a, method).remote(N, v)
+        assert ray.get(b.describe.remote(ref), timeout=120)["sum"] == v * N
+        assert float(ray.get(ref, timeout=120).sum()) == v * N  # the driver: streamed through host memory
 
 
 @pytest.mark.parametrize("method", ["cuda_on_gloo", "cuda_on_shm"])

@@ -33,7 +33,8 @@ def _objects(actor) -> int:
 
 def _drained(actor) -> bool:
     s = rdt.stats(actor)
-    return s["objects"] == 0 and s["bytes"] == 0 and s["shm_segments"] == 0
+    return (s["objects"] == 0 and s["bytes"] == 0 and s["shm_segments"] == 0
+            and not any(s["exported_storages"].values()))
 
 
 @pytest.mark.parametrize("transport", ["gloo", "shm", "object_store", "auto"]
@@ -48,6 +49,18 @@ def test_table_drains_when_refs_die(trio, transport):
     del refs
     assert wait_for(lambda: _drained(p), timeout=30), rdt.stats(p)
     assert rdt.stats(c1)["objects"] == 0  # consumers never hold received copies in a table
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
+def test_weights_returned_every_step_keep_one_nixl_registration_per_storage(trio):
+    p, c1, _ = trio
+    refs = [p.weights_nixl.remote(N) for _ in range(100)]
+    assert ray.get([c1.total.remote(r) for r in refs[::10]], timeout=120) == [float(N)] * 10
+    assert len(ray.wait(refs, num_returns=len(refs), timeout=60)[0]) == len(refs)
+    s = rdt.stats(p)
+    assert s["objects"] == 100 and s["exported_storages"]["nixl"] == 2  # "w" and "b", not 200 registrations
+    del refs
+    assert wait_for(lambda: _drained(p), timeout=30), rdt.stats(p)  # deregistered with the last object
 
 
 def test_small_inlined_ref_is_not_freed_before_a_queued_consumer_runs(trio):

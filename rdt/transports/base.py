@@ -93,7 +93,7 @@ class Fetched:
 
     buffers: List[torch.Tensor]
     label: str
-    keepalive: Optional[Any] = None  # held by every rebuilt leaf (e.g. the token behind mapped producer memory)
+    keepalive: Optional[Any] = None  # held by each buffer's storage (e.g. the token behind mapped producer memory)
 
 
 class Transport(abc.ABC):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from .. import _cuda_ipc
 from .._meta import ObjectMeta
+from .._ready import wait_ready
 from ..errors import UnsupportedError
 from .base import Capabilities, Fetched, Site, Transport, Unusable
 
@@ -26,9 +27,9 @@ class CudaIpcTransport(Transport):
         ipc_map = bool(entry.options.get("ipc_map"))
         cache = ctx.transport_state(self.name, _cuda_ipc.new_share_cache)
         if chosen == "cuda_ipc":
-            return _cuda_ipc.export(entry, cache, ipc_map)
+            return _cuda_ipc.export(entry, cache, ipc_map, wait_ready)
         try:  # auto: an extra path, never a reason to fail the return
-            return _cuda_ipc.export(entry, cache, ipc_map)
+            return _cuda_ipc.export(entry, cache, ipc_map, wait_ready)
         except Exception as e:  # noqa: BLE001
             logger.debug("rdt: no CUDA IPC export for %s: %s", entry.obj_id.hex(), e)
             return None

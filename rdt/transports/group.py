@@ -23,6 +23,7 @@ from rdt_transports.group import TAG_OBJECT, make_tag
 
 from .. import _control
 from .._meta import GroupRef, ObjectMeta
+from .._ready import wait_ready
 from .._peer import control_request, died, err, producer_alive
 from ..errors import NoCollectiveGroupError, ObjectFetchError
 from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
@@ -94,6 +95,7 @@ def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
         return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
     if not 0 <= rank < group.world_size or rank == group.rank:
         return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
+    wait_ready(entry)  # the sends below run on other streams than the one the producer returned on
     ctx.stats.add(group.backend_name, "out", entry.nbytes)
     # Wait exactly as long as the consumer does (its time left, relative): a shorter wait would kill a transfer the
     # consumer still waits for, a longer one would hold the buffers after it gave up.

@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .._meta import ObjectMeta
+from .._ready import wait_ready
 from .base import Capabilities, Fetched, Site, Transport
 
 
@@ -22,6 +23,7 @@ class InlineTransport(Transport):
         flat = entry.flat
         if flat.nbytes > ctx.config.inline_threshold or any(b.device.type != "cpu" for b in flat.buffers):
             return None
+        wait_ready(entry)
         return tuple(b.numpy().tobytes() for b in flat.buffers)
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:

@@ -17,6 +17,7 @@ import torch
 
 from .. import _control
 from .._meta import ObjectMeta
+from .._ready import wait_ready
 from .._peer import control_request, died, err, producer_alive
 from ..errors import ObjectFetchError
 from .base import Capabilities, Fetched, Served, Site, Transport
@@ -31,6 +32,7 @@ class ObjectStoreTransport(Transport):
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[Any]:
         if chosen != "object_store":
             return None
+        wait_ready(entry)
         return ray.put([b.cpu() for b in entry.buffers])
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
@@ -98,6 +100,7 @@ def _serve_bytes(ctx: Any, _key_id: int, payload: bytes) -> Any:
     if entry is None:
         return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
     (timeout_ms,) = struct.unpack_from("!I", payload, 16)
+    wait_ready(entry)  # .cpu() below copies on this thread's current stream, not the one the producer returned on
     views = [memoryview(b.cpu().numpy()) for b in entry.buffers]
     ctx.stats.add("object_store", "out", entry.nbytes)
     header = struct.pack("!I", len(views)) + b"".join(struct.pack("!Q", v.nbytes) for v in views)

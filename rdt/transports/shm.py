@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _cma, _control, _shm
+from .._ready import wait_ready
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
 from .base import Capabilities, Fetched, Served, Site, Transport
@@ -37,6 +38,7 @@ class ShmTransport(Transport):
                                 auto_priority=10)
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[ShmDescriptor]:
+        wait_ready(entry)  # consumers read the producer's memory one-sidedly from here on
         if ctx.cma_readable():
             guard = entry.exports["cma_guard"] = _cma.guard_for(entry.obj_id)
             return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data,
@@ -97,6 +99,7 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
     if entry is None:
         return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+    wait_ready(entry)
     with entry.lock:
         seg = entry.exports.get("shm")
         if seg is None:

@@ -98,3 +98,17 @@ def test_concurrent_returns_and_frees_share_each_storage_once():
     assert len(fake.shared) == 1 and fake.settled == []
     cache.release(key)
     assert len(fake.settled) == 1
+
+
+def test_take_says_whether_the_share_was_made_now():
+    """A reused share carries the event of its first export: export waits for the object's own ready event then."""
+    fake = _Torch()
+    cache = _cuda_ipc.ShareCache(fake.share, fake.settle)
+    s = torch.empty(4).untyped_storage()
+    key = (0, s.data_ptr(), s.nbytes())
+    assert cache.take(key, s) == (("share", 1), True)
+    assert cache.take(key, s) == (("share", 1), False)
+    assert cache.users(key) == 2 and cache.made == 1
+    cache.release(key)
+    cache.release(key)
+    assert cache.users(key) == 0 and cache.take(key, s) == (("share", 2), True)

@@ -43,7 +43,7 @@ def test_mixed_info_round_trips_with_per_buffer_types() -> None:
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
-@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=pytest.mark.gpu)])
 def test_read_of_an_object_keeps_each_buffer_on_its_device(cuda: bool) -> None:
     if cuda and not torch.cuda.is_available():
         pytest.skip("needs CUDA for the VRAM half")  # the DRAM-only case always runs
