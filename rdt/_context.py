@@ -234,11 +234,14 @@ class RdtContext:
         }
 
     def exported_storages(self) -> Dict[str, int]:
-        """Storages this process keeps exported for live objects: NIXL registrations and CUDA IPC shares."""
+        """Storages this process keeps exported for live objects (NIXL registrations, CUDA IPC shares), per
+        transport that exports any; every transport in use is asked through the registry."""
+        return {t.name: t.exported(self) for t in transports.loaded()}
+
+    def peek_transport_state(self, name: str) -> Any:
+        """A transport's process-wide state if it was ever made (never creates it)."""
         with self._lock:
-            ipc = self._transport_states.get("cuda_ipc")
-        return {"nixl": len(self.nixl.registrations) if self.nixl is not None else 0,
-                "cuda_ipc": len(ipc) if ipc is not None else 0}
+            return self._transport_states.get(name)
 
     def control_handlers(self) -> Dict[int, Any]:
         """What this process's control server answers: a ping, its stats (to the stats key), and every

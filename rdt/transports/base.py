@@ -125,6 +125,10 @@ class Transport(abc.ABC):
     def release(self, ctx: Any, entry: "Entry") -> None:
         """Producer: the object was freed; undo what export and serve attached to ``entry``. Never raises."""
 
+    def exported(self, ctx: Any) -> int:
+        """Producer: storages this transport keeps exported for live objects (registrations, shares), for stats."""
+        return 0
+
 
 _context_getter: Optional[Callable[[], Any]] = None
 

@@ -61,6 +61,10 @@ class CudaIpcTransport(Transport):
         return Fetched(bufs, "cuda_ipc-map" if info.map else "cuda_ipc",
                        keepalive=meta.token if info.map else None)
 
+    def exported(self, ctx: Any) -> int:
+        cache = ctx.peek_transport_state(self.name)
+        return len(cache) if cache is not None else 0
+
     def release(self, ctx: Any, entry: Any) -> None:
         if "cuda_ipc" in entry.exports:
             _cuda_ipc.release(entry, ctx.transport_state(self.name, _cuda_ipc.new_share_cache))

@@ -59,6 +59,9 @@ class NixlTransport(Transport):
     def release(self, ctx: Any, entry: Any) -> None:
         _nixl_objects.release(ctx, entry)
 
+    def exported(self, ctx: Any) -> int:
+        return len(ctx.nixl.registrations) if ctx.nixl is not None else 0
+
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """Producer: register the object (once) and describe it for the asking consumer."""
