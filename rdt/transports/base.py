@@ -106,7 +106,8 @@ class Transport(abc.ABC):
         return self.capabilities.name
 
     def export(self, ctx: Any, entry: "Entry", chosen: str) -> Optional[Any]:
-        """Producer, at return (``chosen`` is this transport or "auto"): the descriptor, or None for lazy export."""
+        """Producer, at return (``chosen`` is this transport or "auto"): the descriptor, or None for lazy export.
+        Whatever reads the buffers here or in a handler first calls ``rdt._ready.wait_ready(entry)`` (GPU writes)."""
         return None
 
     def unusable(self, ctx: Any, meta: "ObjectMeta", site: Site) -> Optional[Unusable]:
