@@ -12,6 +12,7 @@ nothing here ever runs ``ray stop``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -205,6 +206,7 @@ class NetnsCluster:
 
     def start(self, *, timeout: float = 120.0) -> "NetnsCluster":
         cleanup()
+        atexit.register(self.stop)  # also when the test process ends without running the fixture's finally
         shutil.rmtree(TEMP_DIR, ignore_errors=True)  # the last run's logs (kept after stop() for a post-mortem)
         os.makedirs(TEMP_DIR, exist_ok=True)
         self.nodes = create_network(self.n_nodes)

@@ -18,7 +18,7 @@ import rdt
 from rdt.errors import RdtError
 
 from . import _netns
-from ._fault_actors import Caught, _maker, allreduce, checksum, expected_checksum
+from ._fault_actors import Caught, _maker, checksum, expected_checksum
 from .conftest import HAS_NIXL, HAS_UCXX
 
 MiB = 1 << 20
@@ -136,3 +136,86 @@ def test_objects_cross_the_link(net, peers):
     want = {"gloo": "gloo", "auto+gloo group": "gloo", "object_store": "object_store", "nixl": "nixl",
             "auto, no group": "nixl" if HAS_NIXL else "object_store", "auto+ucx group": "ucx"}
     assert seen == {label: {want[label]: 1} for label in seen}, seen  # auto never chose shm or CUDA IPC
+
+
+def _allreduce(name: str, value: float, numel: int) -> Tuple[int, float, float]:
+    """(worker side) allreduce ``numel`` floats of ``value``; return only a summary (the driver's link is shaped
+    too, and a 16 MiB result sent back would count as traffic)."""
+    import rdt_transports as rt
+    import torch
+
+    t = torch.full((numel,), float(value))
+    rt.allreduce(t, name, timeout=60.0)
+    return t.numel(), float(t.min()), float(t.max())
+
+
+def _link_bytes(net: _netns.NetnsCluster) -> List[int]:
+    return [c for node in net.nodes for c in node.counters().values()]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nixl", "ucx", "tcp"])
+def test_allreduce_crosses_the_link(net, peers, backend):
+    """A 16 MiB allreduce between n1 and n2: right result, and each node sent and received at least the payload."""
+    if backend == "nixl" and not HAS_NIXL or backend == "ucx" and not HAS_UCXX:
+        pytest.skip(f"{backend} is not installed")
+    p1, p2 = peers["n1"], peers["n2"]
+    numel = 4 * MiB  # float32: 16 MiB
+    group = rdt.create_collective_group([p1, p2], backend=backend, name=f"netns-ar-{backend}")
+    try:
+        before = _link_bytes(net)
+        results = ray.get([p.call.remote(_allreduce, f"netns-ar-{backend}", v, numel)
+                           for p, v in ((p1, 1.0), (p2, 2.0))], timeout=120)
+        grew = [a - b for a, b in zip(_link_bytes(net), before)]  # n1 into, n1 out, n2 into, n2 out
+        for caught, value in results:
+            assert caught is None, caught
+            assert value == (numel, 3.0, 3.0), value
+        assert min(grew) >= numel * 4, grew  # each rank sends and receives the whole payload (2 ranks)
+        print(backend, "link bytes", grew)
+    finally:
+        group.destroy(timeout=30)
+
+
+def test_link_cut_mid_transfer_is_a_typed_error(net, peers):
+    """n2's link goes down while n1 fetches 256 MiB from n2 over Gloo: n1 gets a typed rdt error within its
+    transfer timeout, the driver does not hang, a group without n2 works, and after the link is back the group with
+    n2 forms again and moves data."""
+    h, p1, p2 = peers["head"], peers["n1"], peers["n2"]
+    n2 = net.nodes[1]
+    nbytes = 256 * MiB
+    group = rdt.create_collective_group([h, p1, p2], backend="gloo", name="netns-cut")
+    timeout = 6.0
+    ray.get(p1.configure.remote(transfer_timeout=timeout), timeout=60)
+    ref = p2.make_gloo.remote(100, nbytes)
+    ray.wait([ref], timeout=60, fetch_local=False)
+    start_out = n2.counters()["out"]
+    pending = p1.try_digest.remote([ref], timeout)
+    try:
+        deadline = time.monotonic() + 30
+        while n2.counters()["out"] - start_out < 16 * MiB and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sent = n2.counters()["out"] - start_out
+        n2.link(up=False)
+        assert 16 * MiB <= sent < nbytes, f"the cut came {'too early' if sent < 16 * MiB else 'too late'}: {sent}"
+        t0 = time.monotonic()
+        status, caught, seconds = ray.get(pending, timeout=timeout + 30)  # n1's own link is up: its answer arrives
+        assert status == "err" and issubclass(caught.cls, RdtError), (status, caught)
+        assert seconds < timeout + 5 and time.monotonic() - t0 < timeout + 10, (seconds, caught)
+        print("cut:", caught.cls.__name__, f"after {seconds:.1f} s:", caught.message)
+        # The nodes the cut did not touch keep working, in a new group.
+        other = rdt.create_collective_group([h, p1], backend="gloo", name="netns-rest")
+        try:
+            ref2 = h.make_gloo.remote(101, 4 * MiB)
+            assert ray.get(p1.digest.remote(ref2), timeout=60) == (101, expected_checksum(101, 4 * MiB))
+        finally:
+            other.destroy(timeout=30)
+    finally:
+        n2.link(up=True)
+        group.destroy(timeout=30)
+    del ref
+    # The link is back: a group with n2 forms again and moves data across it.
+    again = rdt.create_collective_group([p1, p2], backend="gloo", name="netns-again")
+    try:
+        ref3 = p2.make_gloo.remote(102, 4 * MiB)
+        assert ray.get(p1.digest.remote(ref3), timeout=60) == (102, expected_checksum(102, 4 * MiB))
+    finally:
+        again.destroy(timeout=30)
