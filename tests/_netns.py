@@ -80,6 +80,17 @@ class Node:
         _run("ip", "link", "set", self.host_veth, "up" if up else "down")
 
 
+    def remove(self) -> None:
+        """Take the node away as a crash would: kill every process in its namespace, then delete its link.
+
+        (Deleting a namespace alone stops nothing: its processes keep it alive.)"""
+        if self.proc is not None and self.proc.poll() is None:
+            _kill(self.proc.pid, group=True)
+        for pid in _run("ip", "netns", "pids", self.ns, check=False).stdout.split():
+            _kill(int(pid), group=False)
+        _run("ip", "link", "del", self.host_veth, check=False)
+
+
 def _qdisc_bytes(tc: List[str], dev: str) -> int:
     out = _run(*tc, "-s", "-j", "qdisc", "show", "dev", dev).stdout
     return sum(int(q.get("bytes", 0)) for q in json.loads(out) if q.get("root"))

@@ -219,3 +219,32 @@ def test_link_cut_mid_transfer_is_a_typed_error(net, peers):
         assert ray.get(p1.digest.remote(ref3), timeout=60) == (102, expected_checksum(102, 4 * MiB))
     finally:
         again.destroy(timeout=30)
+
+
+def test_removed_node_is_a_typed_error(net, peers):
+    """n2 goes away (its processes killed, its link deleted): fetches from it fail typed within the consumer's
+    timeout, the driver does not hang, and a group over the head and n1 forms and works. Runs last: n2 is gone."""
+    h, p1, p2 = peers["head"], peers["n1"], peers["n2"]
+    timeout = 8.0
+    ray.get(p1.configure.remote(transfer_timeout=timeout), timeout=60)
+    group = rdt.create_collective_group([h, p1, p2], backend="gloo", name="netns-remove")
+    transports = ["gloo"] + (["nixl"] if HAS_NIXL else [])
+    refs = {t: getattr(p2, f"make_{t}").remote(200 + i, 4 * MiB) for i, t in enumerate(transports)}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=60, fetch_local=False)
+    net.nodes[1].remove()
+    try:
+        for t, ref in refs.items():
+            t0 = time.monotonic()
+            status, caught, seconds = ray.get(p1.try_digest.remote([ref], timeout), timeout=timeout + 30)
+            assert status == "err", (t, caught)
+            assert issubclass(caught.cls, (RdtError, ray.exceptions.RayActorError)), (t, caught)
+            assert seconds < timeout + 5 and time.monotonic() - t0 < timeout + 10, (t, seconds, caught)
+            print("removed:", t, caught.cls.__name__, f"after {seconds:.1f} s")
+    finally:
+        group.destroy(timeout=30)
+    rest = rdt.create_collective_group([h, p1], backend="gloo", name="netns-after-remove")
+    try:
+        ref = p1.make_gloo.remote(210, 4 * MiB)
+        assert ray.get(h.digest.remote(ref), timeout=60) == (210, expected_checksum(210, 4 * MiB))
+    finally:
+        rest.destroy(timeout=30)
