@@ -18,7 +18,7 @@ import rdt
 from rdt.errors import RdtError
 
 from . import _netns
-from ._fault_actors import Caught, _maker, checksum, expected_checksum
+from ._fault_actors import Caught, _maker, checksum, group_state, expected_checksum
 from .conftest import HAS_NIXL, HAS_UCXX
 
 MiB = 1 << 20
@@ -200,7 +200,9 @@ def test_link_cut_mid_transfer_is_a_typed_error(net, peers):
         status, caught, seconds = ray.get(pending, timeout=timeout + 30)  # n1's own link is up: its answer arrives
         assert status == "err" and issubclass(caught.cls, RdtError), (status, caught)
         assert seconds < timeout + 5 and time.monotonic() - t0 < timeout + 10, (seconds, caught)
-        print("cut:", caught.cls.__name__, f"after {seconds:.1f} s:", caught.message)
+        # The consumer's view of the group turns ERRORED; a member the transfer did not involve stays HEALTHY.
+        assert ray.get([a.call.remote(group_state, "netns-cut") for a in (h, p1)], timeout=30) == [
+            (None, "healthy"), (None, "errored")]
         # The nodes the cut did not touch keep working, in a new group.
         other = rdt.create_collective_group([h, p1], backend="gloo", name="netns-rest")
         try:
