@@ -118,6 +118,26 @@ def cleanup() -> None:
             _run("ip", "link", "del", name, check=False)
 
 
+def leftovers(pgids: List[int]) -> List[str]:
+    """What of a run is still there: namespaces, links, live process groups among ``pgids`` (empty when clean)."""
+    left = [n.split(" ")[0] for n in _run("ip", "netns", "list", check=False).stdout.split("\n")
+            if n.startswith(NS_PREFIX)]
+    links = json.loads(_run("ip", "-j", "link", "show", check=False).stdout or "[]")
+    left += [x["ifname"] for x in links if x.get("ifname", "").startswith((BRIDGE, VETH_PREFIX))]
+    return left + [f"process group {g}" for g in _live_groups(pgids)]
+
+
+def _live_groups(pgids: List[int]) -> List[int]:
+    live = []
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, 0)
+            live.append(pgid)
+        except ProcessLookupError:
+            pass
+    return live
+
+
 def _kill(pid: int, *, group: bool) -> None:
     try:
         (os.killpg if group else os.kill)(pid, signal.SIGKILL)
@@ -265,6 +285,9 @@ class NetnsCluster:
             time.sleep(0.5)
         raise TimeoutError(f"Ray nodes {sorted(want - alive)} did not join within {timeout:.0f} s")
 
+    def pgids(self) -> List[int]:
+        return [p.pid for p in [self.head, *(n.proc for n in self.nodes)] if p is not None]
+
     def stop(self) -> None:
         """Kill every Ray process group we started, then remove the network (idempotent)."""
         for p in [*(n.proc for n in self.nodes), self.head]:
@@ -274,4 +297,7 @@ class NetnsCluster:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
+        deadline = time.monotonic() + 15  # the groups' other members die (and are reaped) a moment later
+        while _live_groups(self.pgids()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         cleanup()

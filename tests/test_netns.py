@@ -79,6 +79,7 @@ def net():
     finally:
         ray.shutdown()
         cluster.stop()
+        assert not _netns.leftovers(cluster.pgids()), _netns.leftovers(cluster.pgids())
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,10 @@ def _moved(net: _netns.NetnsCluster, producer: Any, consumer: Any, make: str, se
     n1, n2 = net.nodes
     before = (n1.counters(), n2.counters(), ray.get(consumer.stats.remote(), timeout=60)["paths"])
     ref = getattr(producer, make).remote(seed, nbytes)
+    ray.wait([ref], timeout=60, fetch_local=False)
+    t0 = time.monotonic()
     assert ray.get(consumer.digest.remote(ref), timeout=120) == (seed, expected_checksum(seed, nbytes))
+    print(f"{make}: {nbytes / MiB:.0f} MiB n1 -> n2 in {time.monotonic() - t0:.2f} s (fetch + checksum)")
     after = (n1.counters(), n2.counters(), ray.get(consumer.stats.remote(), timeout=60)["paths"])
     paths = {p: n - before[2].get(p, 0) for p, n in after[2].items() if n - before[2].get(p, 0)}
     link = {"n1_out": after[0]["out"] - before[0]["out"], "n2_into": after[1]["into"] - before[1]["into"]}
