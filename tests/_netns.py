@@ -13,6 +13,7 @@ nothing here ever runs ``ray stop``.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ VETH_PREFIX = "rdtv"
 RATE = "2gbit"
 TEMP_DIR = "/tmp/rdt-netns-ray"
 PIDS_FILE = os.path.join("/tmp", "rdt-netns-pgids")  # process groups we started, for the next run's cleanup
+LOCK_FILE = os.path.join("/tmp", "rdt-netns.lock")  # held while a cluster lives: the names are machine-wide
 CMD_TIMEOUT = 20.0
 MiB = 1 << 20
 
@@ -194,7 +196,8 @@ def _node_env(ifname: str) -> Dict[str, str]:
         if k.startswith(("RAY_ADDRESS", "RDT_TCP_HOST", "RDT_UCX_HOST")):
             del env[k]
     env.update({"GLOO_SOCKET_IFNAME": ifname, "UCX_NET_DEVICES": ifname, "UCX_TLS": "tcp,self",
-                "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # `ray start` refuses to join a node otherwise
+                "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # `ray start` refuses to join a node otherwise
                 # like the suite's local clusters: no Ray token auth (`ray start` would otherwise turn it on when
                 # ~/.ray/auth_token exists, and the driver's ray.init would be refused)
                 "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"})
@@ -234,8 +237,10 @@ class NetnsCluster:
         self.nodes: List[Node] = []
         self.head: Optional[subprocess.Popen] = None
         self.address = ""
+        self._lock_fd: Optional[int] = None
 
-    def start(self, *, timeout: float = 120.0) -> "NetnsCluster":
+    def start(self, *, timeout: float = 120.0, lock_timeout: float = 180.0) -> "NetnsCluster":
+        self._lock(lock_timeout)
         cleanup()
         atexit.register(self.stop)  # also when the test process ends without running the fixture's finally
         shutil.rmtree(TEMP_DIR, ignore_errors=True)  # the last run's logs (kept after stop() for a post-mortem)
@@ -247,8 +252,9 @@ class NetnsCluster:
         self.head = _ray_start("head", [], [
             "--head", f"--node-ip-address={HOST_IP}", f"--port={port}", "--num-cpus=0",
             f"--resources={json.dumps({self.head_resource: 8})}", f"--object-store-memory={self.object_store}",
-            "--include-dashboard=false", f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}", f"--system-config={system_config}"], _node_env(BRIDGE))
+            "--include-dashboard=false", f"--dashboard-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+            f"--system-config={system_config}"], _node_env(BRIDGE))
         self._wait_port(port, timeout)
         for node in self.nodes:
             node.proc = _ray_start(node.ns, node.exec(), [
@@ -258,6 +264,23 @@ class NetnsCluster:
             # one at a time: nodes sharing the temp dir would otherwise race for the same socket name "raylet.1"
             _wait_started(node.proc, node.ns, timeout)
         return self
+
+    def _lock(self, timeout: float) -> None:
+        """Hold the machine-wide lock (a second test run waits for the first; the kernel frees it if we die),
+        so that ``cleanup()`` only ever removes a crashed run's leftovers, never a live cluster."""
+        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = fd
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise TimeoutError(f"another process held {LOCK_FILE} (a running netns cluster) for "
+                                       f"{timeout:.0f} s; wait for it to finish, or run the netns tests alone")
+                time.sleep(0.5)
 
     def _wait_port(self, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -281,7 +304,8 @@ class NetnsCluster:
                 return
             for node in self.nodes:
                 if node.proc is not None and node.proc.poll() is not None:
-                    raise RuntimeError(f"the Ray node in {node.ns} exited ({node.proc.returncode}); see {TEMP_DIR}/start-{node.ns}.log")
+                    raise RuntimeError(f"the Ray node in {node.ns} exited ({node.proc.returncode}); "
+                                       f"see {TEMP_DIR}/start-{node.ns}.log")
             time.sleep(0.5)
         raise TimeoutError(f"Ray nodes {sorted(want - alive)} did not join within {timeout:.0f} s")
 
@@ -289,7 +313,10 @@ class NetnsCluster:
         return [p.pid for p in [self.head, *(n.proc for n in self.nodes)] if p is not None]
 
     def stop(self) -> None:
-        """Kill every Ray process group we started, then remove the network (idempotent)."""
+        """Kill every Ray process group we started, then remove the network (idempotent; a no-op unless this
+        cluster holds the lock, so a late call can never remove another run's cluster)."""
+        if self._lock_fd is None:
+            return
         for p in [*(n.proc for n in self.nodes), self.head]:
             if p is not None and p.poll() is None:
                 _kill(p.pid, group=True)
@@ -301,3 +328,6 @@ class NetnsCluster:
         while _live_groups(self.pgids()) and time.monotonic() < deadline:
             time.sleep(0.1)
         cleanup()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
