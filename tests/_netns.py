@@ -98,9 +98,10 @@ def _qdisc_bytes(tc: List[str], dev: str) -> int:
     return sum(int(q.get("bytes", 0)) for q in json.loads(out) if q.get("root"))
 
 
-def _free_port(host: str = HOST_IP) -> int:
+def _free_port() -> int:
+    """A port free on every address of the host namespace (the dashboard binds 127.0.0.1, the rest the bridge)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
