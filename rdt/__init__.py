@@ -12,9 +12,11 @@ from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed R
 from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
 from ._api import configure, create_collective_group, destroy_collective_group, stats
 from ._decorator import put, tensor_method
+from ._get import get, get_async, wait_tensor_freed
 from .transports import register_transport
 from ._config import TRANSPORTS
 from .errors import (
+    IntoMismatchError,
     InvalidArgumentError,
     NoCollectiveGroupError,
     ObjectError,
@@ -22,12 +24,13 @@ from .errors import (
     ObjectFreedError,
     ProducerDiedError,
     RdtError,
+    TensorInUseError,
     TransferTimeoutError,
     UnsupportedError,
 )
 
 __all__ = [
-    "tensor_method", "put", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
+    "tensor_method", "put", "get", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
-    "TransferTimeoutError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
+    "TransferTimeoutError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]

@@ -18,7 +18,7 @@ import torch
 
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cuda_ipc, transports
+from . import _cuda_ipc, _into, transports
 from ._flatten import leaf_from_buffer, unflatten
 from ._meta import ObjectMeta
 from ._peer import died, freed, producer_alive
@@ -62,10 +62,33 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
     return unflatten(meta.skeleton, leaves)
 
 
+def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
+    """Rebuild the value with its tensor leaves being ``into``'s tensors, filled with the object's bytes.
+
+    Everything is checked before a byte moves; transports that receive into given buffers land the bytes straight
+    in the targets, the rest (and cross-device or shared-storage leaves) are copied in.
+    """
+    value, tensors, _paths = _into.targets_for(meta, into)
+    if ctx.is_me(meta.producer):
+        entry = ctx.table.get(meta.obj_id)
+        leaves = entry.flat.leaves if entry is not None else ctx.table.get_weak(meta.obj_id)
+        if leaves is None:
+            raise freed(meta, "was already freed in its producer")
+        _into.copy_leaves(leaves, tensors)
+        return value
+    plan = _into.landing_plan(meta, tensors)
+    start = time.monotonic()
+    fetched, name = fetch(ctx, meta, into=plan, timeout=timeout)
+    _into.fill(meta, fetched.buffers, tensors, plan)
+    ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
+    return value
+
+
 _NOWHERE = Site(same_node=False, in_actor=False, task_argument=False)  # for self-contained objects: no lookups
 
 
-def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None) -> Site:
+def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None,
+             into: Tuple[Optional[torch.Tensor], ...] = ()) -> Site:
     """Where this process stands relative to ``meta``'s producer."""
     groups: Dict[str, Tuple[Any, Any]] = {}
     mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
@@ -78,7 +101,7 @@ def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None) -> Site:
     if task_argument is None:
         task_argument = actor and not called_by_ray_get()
     return Site(same_node=meta.producer.node_id == node_id(), in_actor=actor, task_argument=task_argument,
-                groups=groups, cuda_device=cuda)
+                groups=groups, cuda_device=cuda, into=into)
 
 
 def candidates(meta: ObjectMeta, site: Site, ctx: Any = None) -> List[Transport]:
@@ -117,14 +140,16 @@ def _unfit(ctx: Any, t: Transport, meta: ObjectMeta, site: Site,
     return None
 
 
-def fetch(ctx: Any, meta: ObjectMeta) -> Tuple[Fetched, str]:
+def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...] = (),
+          timeout: Optional[float] = None) -> Tuple[Fetched, str]:
     """The object's buffers in this process, and the name of the transport that served them."""
     carrier = _self_contained(meta)
     if carrier is not None:
         return carrier.fetch(ctx, meta, _NOWHERE, time.monotonic()), carrier.name  # the bytes are in meta
-    timeout = meta.timeout or ctx.config.transfer_timeout
+    timeout = min(timeout, meta.timeout or ctx.config.transfer_timeout) if timeout is not None \
+        else meta.timeout or ctx.config.transfer_timeout
     deadline = time.monotonic() + timeout
-    site = site_for(meta)
+    site = site_for(meta, task_argument=False, into=into) if into or timeout is not None else site_for(meta)
     chain = candidates(meta, site, ctx)
     for i, t in enumerate(chain):
         try:

@@ -129,6 +129,7 @@ class RdtContext:
         self.stream_discipline = _ready.Discipline()
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
+        self.deferring = threading.local()  # .on: ray.get in this thread returns ObjectMeta unresolved (rdt.get)
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
         self.cma = _cma.CmaReader()

@@ -347,7 +347,8 @@ def decode_info(data: bytes) -> NixlInfo:
     return NixlInfo(name, md, mem, tuple(descs), tuple(_MEM_NAMES[c] for c in codes), tuple(extra))
 
 
-def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float) -> List[torch.Tensor]:
+def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float,
+          dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
     """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
 
     Each buffer keeps its own kind of memory: a VRAM source is read to ``device`` when it is a CUDA device (else
@@ -357,7 +358,7 @@ def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: floa
     ag.ensure_remote(info.agent, info.agent_md, *info.extra_md)
     parked = False
     try:
-        return _read(ctx, ag, info, device, timeout)
+        return _read(ctx, ag, info, device, timeout, dests)
     except _Parked:
         parked = True  # it stays counted as in flight until the progress thread reaps it
         raise
@@ -371,11 +372,17 @@ class _Parked(TimeoutError):
 
 
 def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
-          timeout: float) -> List[torch.Tensor]:
+          timeout: float, dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
     """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
-    dst = [torch.empty(n, dtype=torch.uint8, device=device) if t == "VRAM" and device.type == "cuda"
-           else ctx.buffers.empty(n) for (_, n, _), t in zip(info.descs, info.mem_types)]
+    dst: List[torch.Tensor] = []
+    for i, ((_, n, _), t) in enumerate(zip(info.descs, info.mem_types)):
+        on = device if t == "VRAM" and device.type == "cuda" else torch.device("cpu")
+        given = dests[i] if i < len(dests) else None  # rdt.get(into=...): READ straight into the caller's target
+        if given is not None and given.numel() == n and given.device.type == on.type:
+            dst.append(given)
+        else:
+            dst.append(torch.empty(n, dtype=torch.uint8, device=on) if on.type == "cuda" else ctx.buffers.empty(n))
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
     local_types = [mem_type_of(d) for d in dst]
     regs: List[Any] = []

@@ -10,6 +10,8 @@ from rdt_transports.errors import (  # noqa: F401
     GroupErroredError,
     GroupExistsError,
     GroupNotFoundError,
+    IntoMismatchError,
+    TensorInUseError,
     InvalidArgumentError,
     NoCollectiveGroupError,
     ObjectError,
@@ -24,7 +26,7 @@ from rdt_transports.errors import (  # noqa: F401
 )
 
 __all__ = [
-    "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError", "TransferTimeoutError",
+    "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError", "TransferTimeoutError", "IntoMismatchError", "TensorInUseError",
     "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
     "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",

@@ -134,5 +134,13 @@ class TransferTimeoutError(ObjectFetchError, TimeoutError):
     """Fetching an object did not finish within the transfer timeout."""
 
 
+class IntoMismatchError(ObjectError, ValueError):
+    """``rdt.get(..., into=...)`` does not fit the object (count, shape, dtype, contiguity); nothing was moved."""
+
+
+class TensorInUseError(ObjectError, TimeoutError):
+    """``rdt.wait_tensor_freed`` timed out: live objects still hold bytes of the tensor's storage."""
+
+
 class NoCollectiveGroupError(ObjectError, ValueError):
     """A collective transport was asked for but no group contains both producer and consumer."""

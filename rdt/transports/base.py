@@ -77,6 +77,9 @@ class Site:
     task_argument: bool  # resolving a task's argument (not an explicit get): some refusals are errors there
     groups: Mapping[str, Any] = field(default_factory=dict)  # healthy common groups by backend name
     cuda_device: Optional[torch.device] = None  # this process's current CUDA device, if any
+    # rdt.get(into=...): per buffer, the uint8 bytes of the target it lands in, or None (a receive_into transport
+    # fills these instead of allocating; see landing())
+    into: Tuple[Optional[torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,19 @@ class Transport(abc.ABC):
     def exported(self, ctx: Any) -> int:
         """Producer: storages this transport keeps exported for live objects (registrations, shares), for stats."""
         return 0
+
+
+def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Where buffer ``i`` of a fetch lands: the caller's target when ``rdt.get(into=...)`` gave one on that device
+    type, else a fresh (pooled, for CPU) buffer."""
+    device = device or torch.device("cpu")
+    if i < len(site.into):
+        t = site.into[i]
+        if t is not None and t.numel() == nbytes and t.device.type == device.type:
+            return t
+    if device.type == "cpu":
+        return ctx.buffers.empty(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 _context_getter: Optional[Callable[[], Any]] = None

@@ -26,7 +26,7 @@ from .._meta import GroupRef, ObjectMeta
 from .._ready import wait_ready
 from .._peer import control_request, died, err, producer_alive
 from ..errors import NoCollectiveGroupError, ObjectFetchError
-from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
+from .base import Capabilities, Fetched, Served, Site, Transport, Unusable, landing
 
 logger = logging.getLogger("rdt")
 
@@ -165,8 +165,7 @@ def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Si
                     payload, max(deadline - time.monotonic(), 1e-3))
     device = site.cuda_device if site.cuda_device is not None and any(
         b.device.startswith("cuda") for b in meta.buffers) else torch.device("cpu")
-    bufs = [ctx.buffers.empty(b.nbytes) if device.type == "cpu"
-            else torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in meta.buffers]
+    bufs = [landing(ctx, site, i, b.nbytes, device) for i, b in enumerate(meta.buffers)]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
         if _control.waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted

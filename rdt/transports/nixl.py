@@ -43,7 +43,7 @@ class NixlTransport(Transport):
             info = _nixl_objects.decode_info(resp)
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
         try:
-            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline)), "nixl")
+            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline), site.into), "nixl")
         except TimeoutError:
             if not producer_alive(ctx, meta):
                 raise died(meta, TimeoutError("NIXL READ timed out")) from None

@@ -20,7 +20,7 @@ from .._meta import ObjectMeta
 from .._ready import wait_ready
 from .._peer import control_request, died, err, producer_alive
 from ..errors import ObjectFetchError
-from .base import Capabilities, Fetched, Served, Site, Transport
+from .base import Capabilities, Fetched, Served, Site, Transport, landing
 
 MAX_STREAM_S = 3600.0  # cap on the time a consumer may ask the producer to keep streaming one object
 
@@ -41,7 +41,7 @@ class ObjectStoreTransport(Transport):
         if store_ref is not None:
             bufs = [b if b.is_contiguous() else b.contiguous() for b in _get(meta, [store_ref], timeout)[0]]
             return Fetched(_to_devices(meta, bufs, site.cuda_device), "object_store")
-        return Fetched(_to_devices(meta, _stream(ctx, meta, timeout), site.cuda_device), "object_store")
+        return Fetched(_to_devices(meta, _stream(ctx, meta, site, timeout), site.cuda_device), "object_store")
 
     def handlers(self) -> Dict[int, Served]:
         return {_control.REQ_FETCH_BYTES: (_serve_bytes, (_control.KEY_PROCESS,))}
@@ -60,12 +60,12 @@ def _to_devices(meta: ObjectMeta, bufs: List[torch.Tensor], gpu: Optional[torch.
     return [b if t.type == "cpu" else b.to(t) for b, t in zip(bufs, targets)]
 
 
-def _stream(ctx: Any, meta: ObjectMeta, timeout: float) -> List[torch.Tensor]:
+def _stream(ctx: Any, meta: ObjectMeta, site: Site, timeout: float) -> List[torch.Tensor]:
     """The producer's buffers, streamed by its control server into fresh host buffers here."""
     if meta.producer.actor is None:  # a task's worker may exit or be reused at any time
         raise ObjectFetchError(f"{meta.describe()} was made outside an actor and cannot be served to this process",
                                object_id=meta.id_hex, hint="produce objects inside actors")
-    bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+    bufs = [landing(ctx, site, i, b.nbytes) for i, b in enumerate(meta.buffers)]
     sizes = [b.nbytes for b in meta.buffers]
 
     def into(resp_type: int, header: bytes) -> Optional[List[memoryview]]:

@@ -20,7 +20,7 @@ from .. import _cma, _control, _shm
 from .._ready import wait_ready
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
-from .base import Capabilities, Fetched, Served, Site, Transport
+from .base import Capabilities, Fetched, Served, Site, Transport, landing
 
 logger = logging.getLogger("rdt")
 
@@ -52,7 +52,7 @@ class ShmTransport(Transport):
         desc: Optional[ShmDescriptor] = meta.export("shm")
         info = desc.cma if desc is not None else None
         if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
-            bufs = [ctx.buffers.empty(b.nbytes) for b in meta.buffers]
+            bufs = [landing(ctx, site, i, b.nbytes) for i, b in enumerate(meta.buffers)]
             try:
                 ctx.cma.read(meta.producer.pid, info, [b.data_ptr() for b in bufs], meta.obj_id)
                 return Fetched(bufs, "shm-direct")

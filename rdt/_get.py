@@ -1,0 +1,142 @@
+"""``rdt.get``, ``rdt.get_async`` and ``rdt.wait_tensor_freed``: explicit fetches, optionally into given tensors.
+
+``rdt.get`` asks Ray for the refs' values with rdt's resolution deferred, so it holds the metadata and fetches
+itself: every ref's transfer starts before any is waited on, each may land in the caller's tensors, and it works
+the same in an actor, a task or the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, List, Sequence
+
+import torch
+
+from ._meta import ObjectMeta
+from .errors import InvalidArgumentError, TensorInUseError, TransferTimeoutError
+
+MAX_PARALLEL = 8  # fetches of one rdt.get([...]) that run at once
+
+
+def _context() -> Any:
+    from ._context import get_context
+
+    return get_context()
+
+
+def _metas(refs: Sequence[Any], timeout: float) -> List[Any]:
+    """The refs' values with rdt objects left as their ObjectMeta (nothing fetched)."""
+    import ray
+
+    ctx = _context()
+    ctx.deferring.on = True
+    try:
+        return ray.get(list(refs), timeout=timeout)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TransferTimeoutError(f"the refs' metadata did not arrive within {timeout:.1f}s",
+                                   hint="the producing task may still be running; raise timeout=") from e
+    finally:
+        ctx.deferring.on = False
+
+
+def _one(meta: Any, into: Any, deadline: float) -> Any:
+    if not isinstance(meta, ObjectMeta):
+        if into is not None:
+            raise InvalidArgumentError(f"into= was given for a ref whose value is a {type(meta).__name__}, not an "
+                                       "rdt object", hint="pass into= only for refs made by rdt.tensor_method/put")
+        return meta
+    ctx = _context()
+    left = max(deadline - time.monotonic(), 1e-3)
+    if into is None:
+        from ._consumer import fetch
+        from ._flatten import leaf_from_buffer, unflatten
+
+        if ctx.is_me(meta.producer):
+            return ctx.resolve(meta)
+        start = time.monotonic()
+        fetched, name = fetch(ctx, meta, timeout=left)
+        ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
+        leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
+        if fetched.keepalive is not None:
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    leaf._rdt_keepalive = fetched.keepalive
+        return unflatten(meta.skeleton, leaves)
+    from ._consumer import resolve_into
+
+    return resolve_into(ctx, meta, into, left)
+
+
+def get(refs: Any, *, into: Any = None, timeout: float = 60.0) -> Any:
+    """The value of ``refs`` (one ObjectRef, or a list of them), fetched in this process.
+
+    ``into``: for one ref, tensors to receive into, shaped like the value (or a flat list of its tensor leaves);
+    for a list of refs, a list with one such entry (or None) per ref. The returned value's tensor leaves are then
+    those very tensors. Every check runs before any byte moves (``IntoMismatchError`` names the leaf); all refs'
+    transfers start before any is waited on.
+    """
+    single = not isinstance(refs, (list, tuple))
+    ref_list = [refs] if single else list(refs)
+    if single:
+        intos: List[Any] = [into]
+    elif into is None:
+        intos = [None] * len(ref_list)
+    elif isinstance(into, (list, tuple)) and len(into) == len(ref_list):
+        intos = list(into)
+    else:
+        raise InvalidArgumentError(f"rdt.get of {len(ref_list)} refs needs into= as a list of {len(ref_list)} "
+                                   f"entries (or None), got {type(into).__name__}",
+                                   hint="pass into=[into_for_ref0, into_for_ref1, ...]")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
+                                   hint="pass e.g. timeout=60.0")
+    deadline = time.monotonic() + timeout
+    metas = _metas(ref_list, timeout)
+    if len(metas) == 1:
+        out = [_one(metas[0], intos[0], deadline)]
+    else:
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(metas)), thread_name_prefix="rdt-get") as pool:
+            futures = [pool.submit(_one, m, i, deadline) for m, i in zip(metas, intos)]
+            out = [f.result() for f in futures]
+    return out[0] if single else out
+
+
+async def get_async(refs: Any, *, into: Any = None, timeout: float = 60.0) -> Any:
+    """``rdt.get`` for async actors: the fetch runs on a worker thread, so the event loop keeps serving."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, functools.partial(get, refs, into=into, timeout=timeout))
+
+
+def wait_tensor_freed(tensor: Any, *, timeout: float = 60.0, poll: float = 0.005) -> None:
+    """In the producer: wait until no live rdt object holds any byte of ``tensor``'s storage.
+
+    Matched by storage, so the fresh tensor objects of ``model.state_dict()`` work: after this a trainer may
+    update its weights in place without a ``snapshot=True`` copy. Raises ``TensorInUseError`` naming the objects
+    still alive when ``timeout`` passes.
+    """
+    t = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+    storage = t.untyped_storage()
+    lo = storage.data_ptr()
+    hi = lo + storage.nbytes()
+    ctx = _context()
+    deadline = time.monotonic() + timeout
+    while True:
+        holders = [e for e in ctx.table.entries()
+                   if any(b.device == t.device and lo < b.data_ptr() + b.numel() and b.data_ptr() < hi
+                          for b in e.buffers)]
+        if not holders:
+            return
+        if time.monotonic() >= deadline:
+            names = ", ".join(e.obj_id.hex()[:16] for e in holders[:5])
+            raise TensorInUseError(
+                f"{len(holders)} live rdt object(s) still hold bytes of this tensor's storage after "
+                f"{timeout:.1f}s: {names}", object_id=holders[0].obj_id.hex(),
+                hint="drop every ObjectRef of those objects (and let their consumers finish), or return a copy "
+                "(snapshot=True) instead of updating in place")
+        time.sleep(poll)
+
+
+__all__ = ["get", "get_async", "wait_tensor_freed"]

@@ -1,0 +1,230 @@
+"""Receive into existing tensors: match ``into`` to an object's leaves, check it, and plan where each buffer lands.
+
+``into`` has the value's shape (a dict for a dict, a list for a list, nested alike) or is a flat list of every
+tensor leaf in leaf order. Every check runs before a byte moves, and a mismatch names the leaf by its path in the
+value. A buffer lands straight in its target when one contiguous target covers it exactly (the usual state-dict
+case); otherwise (tied weights, views of one storage, another device) it lands in a scratch buffer and is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._flatten import TensorSpec, leaf_from_buffer, unflatten
+from ._meta import ObjectMeta
+from .errors import IntoMismatchError
+
+
+class _Slot:
+    """Stands for leaf ``i`` while the skeleton is walked to find each leaf's path."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def _walk(node: Any, path: str, out: Dict[int, str], seen: set) -> None:
+    if isinstance(node, _Slot):
+        out[node.i] = path or "<value>"
+        return
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _walk(v, f"{path}[{k!r}]", out, seen)
+    elif isinstance(node, (list, tuple)):
+        for k, v in enumerate(node):
+            _walk(v, f"{path}[{k}]", out, seen)
+    elif hasattr(node, "__dict__"):
+        for k, v in vars(node).items():
+            _walk(v, f"{path}.{k}", out, seen)
+
+
+def leaf_paths(meta: ObjectMeta) -> Tuple[Any, List[str]]:
+    """(the value with a placeholder per leaf, each leaf's path in the value)."""
+    shape = unflatten(meta.skeleton, [_Slot(i) for i in range(len(meta.specs))])
+    found: Dict[int, str] = {}
+    _walk(shape, "", found, set())
+    return shape, [found.get(i, f"<leaf {i}>") for i in range(len(meta.specs))]
+
+
+def _as_tensor(x: Any) -> Optional[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        import numpy as np
+
+        if isinstance(x, np.ndarray):
+            return torch.from_numpy(x)
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        pass
+    return None
+
+
+def _structural(shape: Any, into: Any, out: Dict[int, Any], path: str) -> Optional[str]:
+    """Pair ``into`` with the value's shape; the first difference (a path and why), or None."""
+    if isinstance(shape, _Slot):
+        out.setdefault(shape.i, []).append(into)  # a leaf returned twice (tied weights): one target per place
+        return None
+    if isinstance(shape, dict):
+        if not isinstance(into, dict):
+            return f"{path or '<value>'}: the value has a dict here, into has {type(into).__name__}"
+        for k, v in shape.items():
+            if k not in into:
+                if _has_slot(v):
+                    return f"{path}[{k!r}]: missing from into (partial into is refused)"
+                continue
+            why = _structural(v, into[k], out, f"{path}[{k!r}]")
+            if why:
+                return why
+        return None
+    if isinstance(shape, (list, tuple)):
+        if not isinstance(into, (list, tuple)) or len(into) != len(shape):
+            got = f"{type(into).__name__} of {len(into)}" if isinstance(into, (list, tuple)) else type(into).__name__
+            return f"{path or '<value>'}: the value has a {type(shape).__name__} of {len(shape)} here, into has {got}"
+        for k, (v, t) in enumerate(zip(shape, into)):
+            why = _structural(v, t, out, f"{path}[{k}]")
+            if why:
+                return why
+        return None
+    return None if not _has_slot(shape) else f"{path}: tensors inside a {type(shape).__name__}: pass a flat list"
+
+
+def _has_slot(node: Any, seen: Optional[set] = None) -> bool:
+    seen = set() if seen is None else seen
+    if isinstance(node, _Slot):
+        return True
+    if id(node) in seen:
+        return False
+    seen.add(id(node))
+    if isinstance(node, dict):
+        return any(_has_slot(v, seen) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_has_slot(v, seen) for v in node)
+    return hasattr(node, "__dict__") and any(_has_slot(v, seen) for v in vars(node).values())
+
+
+def targets_for(meta: ObjectMeta, into: Any) -> Tuple[Any, List[List[torch.Tensor]], List[str]]:
+    """(the value to return, with the targets in the leaves' places; each leaf's targets as torch tensors; each
+    leaf's path), all checked against ``meta``.
+
+    Raises IntoMismatchError naming the first leaf that does not fit; nothing has moved then.
+    """
+    shape, paths = leaf_paths(meta)
+    n = len(meta.specs)
+    found: Dict[int, List[Any]] = {}
+    why = _structural(shape, into, found, "")
+    structural = why is None and len(found) == n
+    if not structural:
+        if isinstance(into, (list, tuple)) and len(into) == n and not isinstance(shape, (list, tuple)):
+            found = {i: [t] for i, t in enumerate(into)}  # a flat list of every leaf, in leaf order
+        elif why is not None:
+            raise IntoMismatchError(f"{meta.describe()}: into does not have the value's shape: {why}",
+                                    object_id=meta.id_hex, hint=_HINT)
+        else:
+            missing = [paths[i] for i in range(n) if i not in found]
+            raise IntoMismatchError(f"{meta.describe()}: into has no target for {missing[:5]} (partial into is "
+                                    "refused)", object_id=meta.id_hex, hint=_HINT)
+    tensors: List[List[torch.Tensor]] = []
+    for i, spec in enumerate(meta.specs):
+        tensors.append([_check(meta, spec, t, paths[i]) for t in found[i]])
+    value = _substitute(shape, into) if structural else unflatten(meta.skeleton, [found[i][0] for i in range(n)])
+    return value, tensors, paths
+
+
+def _substitute(shape: Any, into: Any) -> Any:
+    """The value with every leaf place holding the target ``into`` has at that place (other parts unchanged)."""
+    if isinstance(shape, _Slot):
+        return into
+    if isinstance(shape, dict) and _has_slot(shape):
+        out = type(shape)() if type(shape) is not dict else {}
+        for k, v in shape.items():
+            out[k] = _substitute(v, into[k]) if _has_slot(v) else v
+        return out
+    if isinstance(shape, (list, tuple)) and _has_slot(shape):
+        items = [_substitute(v, t) if _has_slot(v) else v for v, t in zip(shape, into)]
+        if isinstance(shape, tuple) and hasattr(shape, "_fields"):
+            return type(shape)(*items)
+        return type(shape)(items)
+    return shape
+
+
+def _check(meta: ObjectMeta, spec: TensorSpec, t: Any, where: str) -> torch.Tensor:
+    """``t`` as a torch tensor, if it fits leaf ``spec``; else IntoMismatchError naming ``where``."""
+    tt = _as_tensor(t)
+    if tt is None:
+        raise IntoMismatchError(f"{where}: the target is a {type(t).__name__}, not a tensor",
+                                object_id=meta.id_hex, hint=_HINT)
+    if tuple(tt.shape) != tuple(spec.shape):
+        raise IntoMismatchError(f"{where}: shape {tuple(spec.shape)} != {tuple(tt.shape)} (object != target)",
+                                object_id=meta.id_hex, hint=_HINT)
+    if str(tt.dtype).replace("torch.", "") != spec.dtype:
+        raise IntoMismatchError(f"{where}: dtype {spec.dtype} != {str(tt.dtype).replace('torch.', '')} "
+                                "(object != target; no silent casts)", object_id=meta.id_hex, hint=_HINT)
+    if not tt.is_contiguous():
+        raise IntoMismatchError(f"{where}: the target is not contiguous", object_id=meta.id_hex,
+                                hint="pass contiguous tensors (e.g. the parameters themselves)")
+    if tt.device.type not in ("cpu", "cuda"):
+        raise IntoMismatchError(f"{where}: targets on {tt.device} are not supported", object_id=meta.id_hex,
+                                hint="use cpu or cuda targets")
+    return tt
+
+
+_HINT = ("pass into= with the value's structure (or a flat list of every tensor leaf in leaf order), each target "
+         "with the object's shape and dtype and contiguous")
+
+
+def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
+    """Per buffer: the uint8 bytes of the one target that covers it exactly (the bytes land there), or None."""
+    covers: Dict[int, List[int]] = {}
+    for i, spec in enumerate(meta.specs):
+        if spec.buffer >= 0:
+            covers.setdefault(spec.buffer, []).append(i)
+    out: List[Optional[torch.Tensor]] = []
+    for b, buf in enumerate(meta.buffers):
+        leaves = covers.get(b, [])
+        t = tensors[leaves[0]][0] if len(leaves) == 1 and len(tensors[leaves[0]]) == 1 else None
+        if t is not None and meta.specs[leaves[0]].offset == 0 and t.numel() * t.element_size() == buf.nbytes \
+                and _dense(meta.specs[leaves[0]]) and t.device.type == torch.device(buf.device).type:
+            out.append(t.detach().reshape(-1).view(torch.uint8))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _dense(spec: TensorSpec) -> bool:
+    """Whether the producer's leaf is laid out contiguously (so its bytes equal the buffer's)."""
+    expected, stride = [], 1
+    for size in reversed(spec.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return all(s == e or size == 1 for s, e, size in zip(spec.stride, reversed(expected), spec.shape))
+
+
+def fill(meta: ObjectMeta, buffers: List[torch.Tensor], tensors: Sequence[Sequence[torch.Tensor]],
+         landed: Sequence[Optional[torch.Tensor]]) -> None:
+    """Copy into every target whose buffer did not land in it directly (cross-device, tied or shared storage)."""
+    for spec, targets in zip(meta.specs, tensors):
+        if spec.buffer < 0:
+            continue  # an empty tensor
+        if landed[spec.buffer] is not None and buffers[spec.buffer] is landed[spec.buffer]:
+            continue
+        src = leaf_from_buffer(spec, buffers)
+        src = src if isinstance(src, torch.Tensor) else torch.as_tensor(src)
+        for t in targets:
+            t.copy_(src.detach())
+
+
+def copy_leaves(leaves: Sequence[Any], tensors: Sequence[Sequence[torch.Tensor]]) -> None:
+    """In the producer itself: copy its own leaves into the targets."""
+    for leaf, targets in zip(leaves, tensors):
+        src = _as_tensor(leaf)
+        if src is None:  # cupy
+            src = torch.as_tensor(leaf)
+        for t in targets:
+            if src.data_ptr() != t.data_ptr():
+                t.copy_(src.detach())

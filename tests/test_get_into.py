@@ -1,0 +1,302 @@
+"""rdt.get(ref, into=...), rdt.get([...]), rdt.get_async and rdt.wait_tensor_freed on a real local Ray cluster.
+
+Every transport receives into the caller's tensors: the returned leaves ARE the targets, the values are right,
+and for the transports that land bytes in given buffers no receive buffer is taken from the pool. Every mismatch
+is refused before a byte moves, naming the leaf by its path, with the targets untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import pytest
+import ray
+import torch
+
+import rdt
+from rdt.transports import Capabilities, Fetched, Site, Transport
+
+from .conftest import HAS_NIXL
+
+N = 1 << 15  # 128 KiB of float32 per tensor: above the inline threshold
+
+
+# ---------------------------------------------------------------------------------------------- a gate transport
+@dataclass(frozen=True)
+class _GateDesc:
+    data: bytes
+
+
+class GateTransport(Transport):
+    """Carries the bytes in the descriptor, but each fetch waits until ``expected`` fetches of this process have
+    started: a list of refs fetched one after another would time out here; fetched all at once, it passes."""
+
+    capabilities = Capabilities(name="gate", devices=frozenset({"cpu"}), one_sided=True)
+    expected = 0
+    started = 0
+    finished = 0
+    _cv = threading.Condition()
+
+    def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[_GateDesc]:
+        return _GateDesc(b"".join(b.numpy().tobytes() for b in entry.buffers))
+
+    def fetch(self, ctx: Any, meta: Any, site: Site, deadline: float) -> Fetched:
+        cls = type(self)
+        with cls._cv:
+            cls.started += 1
+            cls._cv.notify_all()
+            if not cls._cv.wait_for(lambda: cls.started >= cls.expected, timeout=10.0):
+                raise TimeoutError(f"only {cls.started} of {cls.expected} fetches started")
+            early = cls.finished
+            cls.finished += 1
+        assert early == 0 or cls.started >= cls.expected
+        data = meta.export("gate").data
+        bufs, at = [], 0
+        for b in meta.buffers:
+            bufs.append(torch.frombuffer(bytearray(data[at:at + b.nbytes]), dtype=torch.uint8))
+            at += b.nbytes
+        return Fetched(bufs, "gate")
+
+
+rdt.register_transport(GateTransport())  # in the driver, and in every worker that imports this module
+
+
+def _state(fill: float) -> Dict[str, torch.Tensor]:
+    return {"layer.0.weight": torch.full((N,), fill), "layer.0.bias": torch.full((64, 512), fill + 1),
+            "ids": torch.arange(N, dtype=torch.int64)}
+
+
+@ray.remote
+class Producer:
+    def __init__(self) -> None:
+        rdt.configure(inline_threshold=0)
+        self.tied = torch.full((N,), 5.0)
+
+    def ping(self) -> int:
+        return 1
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def shm(self, fill: float) -> Dict[str, Any]:
+        return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def gloo(self, fill: float) -> Dict[str, Any]:
+        return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="nixl")
+    def nixl(self, fill: float) -> Dict[str, Any]:
+        return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="object_store")
+    def object_store(self, fill: float) -> Dict[str, Any]:
+        return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="gate")
+    def gate(self, fill: float) -> Dict[str, Any]:
+        return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def tied_weights(self) -> Dict[str, Any]:
+        return {"embed": self.tied, "lm_head": self.tied}  # one storage, two leaves
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def kept(self) -> Dict[str, Any]:
+        self.w = torch.full((N,), 3.0)
+        return {"w": self.w}
+
+    def wait_freed(self, timeout: float) -> str:
+        try:
+            rdt.wait_tensor_freed(self.w, timeout=timeout)
+            return "freed"
+        except rdt.TensorInUseError as e:
+            return f"{type(e).__name__}: {e}"
+
+    def self_into(self, refs: List[Any]) -> bool:
+        target = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+        value = rdt.get(refs[0], into=target)
+        return value["layer.0.weight"] is target["layer.0.weight"] and float(target["layer.0.weight"][0]) == 4.0
+
+
+@ray.remote
+class Consumer:
+    def __init__(self) -> None:
+        self.params = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+
+    def ping(self) -> int:
+        return 1
+
+    def load(self, refs: List[Any], fill: float, flat: bool = False) -> Dict[str, Any]:
+        from rdt._context import get_context
+
+        pool = get_context().buffers
+        before = (pool.hits, pool.misses)
+        into = list(self.params.values()) if flat else self.params
+        value = rdt.get(refs[0], into=into, timeout=60)
+        return {
+            "same": all(value[k] is self.params[k] for k in self.params),
+            "values": all(bool((value[k] == v).all()) for k, v in _state(fill).items()),
+            "step": value["step"],
+            "pool_takes": (pool.hits + pool.misses) - sum(before),
+        }
+
+    def load_bad(self, refs: List[Any], case: str) -> Dict[str, Any]:
+        p = {k: torch.full_like(v, -1) for k, v in _state(0.0).items()}
+        into: Any = p
+        if case == "shape":
+            p["layer.0.bias"] = torch.full((512, 64), -1.0)
+        elif case == "dtype":
+            p["ids"] = torch.full((N,), -1, dtype=torch.int32)
+        elif case == "contiguity":
+            p["layer.0.bias"] = torch.full((512, 64), -1.0).t()
+        elif case == "partial":
+            del p["ids"]
+        elif case == "count":
+            into = list(p.values())[:2]
+        try:
+            rdt.get(refs[0], into=into, timeout=30)
+            return {"error": None}
+        except Exception as e:  # noqa: BLE001
+            return {"error": type(e).__name__, "msg": str(e),
+                    "untouched": all(bool((t == -1).all()) for t in p.values())}
+
+    def load_tied(self, refs: List[Any]) -> bool:
+        a, b = torch.zeros(N), torch.zeros(N)
+        value = rdt.get(refs[0], into={"embed": a, "lm_head": b})
+        return value["embed"] is a and value["lm_head"] is b and bool((a == 5).all()) and bool((b == 5).all())
+
+    def load_many(self, refs: List[Any], n: int) -> Dict[str, Any]:
+        GateTransport.expected = n
+        GateTransport.started = GateTransport.finished = 0
+        targets = [{k: torch.zeros_like(v) for k, v in _state(0.0).items()} for _ in range(n)]
+        values = rdt.get(list(refs), into=targets, timeout=60)
+        return {"ok": all(v["layer.0.weight"] is t["layer.0.weight"] and float(t["layer.0.weight"][0]) == i
+                          for i, (v, t) in enumerate(zip(values, targets))), "started": GateTransport.started}
+
+
+@ray.remote
+class AsyncConsumer:
+    def __init__(self) -> None:
+        self.params = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+        self.pings = 0
+
+    async def ping(self) -> int:
+        self.pings += 1
+        return self.pings
+
+    async def load(self, refs: List[Any]) -> bool:
+        value = await rdt.get_async(refs[0], into=self.params)
+        return value["layer.0.weight"] is self.params["layer.0.weight"]
+
+    async def load_while_serving(self, refs: List[Any]) -> int:
+        """Fetches a 64 MiB object while counting how often the loop ran a ticker meanwhile."""
+        ticks = 0
+        done = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.ensure_future(ticker())
+        big = torch.zeros(16 << 20)
+        await rdt.get_async(refs[0], into={"w": big})
+        done = True
+        await task
+        return ticks if float(big[0]) == 2.0 else -1
+
+
+@ray.remote
+class BigProducer:
+    @rdt.tensor_method(tensor_transport="object_store")
+    def big(self) -> Dict[str, Any]:
+        return {"w": torch.full((16 << 20,), 2.0)}
+
+
+@pytest.fixture(scope="module")
+def actors(ray_cluster):
+    p, c = Producer.remote(), Consumer.remote()
+    ray.get([p.ping.remote(), c.ping.remote()], timeout=120)
+    group = rdt.create_collective_group([p, c], backend="gloo")
+    yield p, c
+    rdt.destroy_collective_group(group)
+    ray.kill(p)
+    ray.kill(c)
+
+
+TRANSPORTS = ["shm", "gloo", "object_store"] + (["nixl"] if HAS_NIXL else [])
+DIRECT = {"shm", "gloo", "object_store", "nixl"}  # land the bytes in the targets: no pooled receive buffer
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("flat", [False, True], ids=["shaped", "flat"])
+def test_into_every_transport_nested_ref(actors, transport: str, flat: bool) -> None:
+    p, c = actors
+    ref = getattr(p, transport).remote(2.0)
+    out = ray.get(c.load.remote([ref], 2.0, flat), timeout=120)
+    assert out["same"] and out["values"] and out["step"] == 7, out
+    if transport in DIRECT:
+        assert out["pool_takes"] == 0, f"{transport} took {out['pool_takes']} receive buffers from the pool"
+
+
+def test_into_on_the_driver(actors) -> None:
+    p, _ = actors
+    params = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+    value = rdt.get(p.object_store.remote(3.0), into=params)
+    assert value["layer.0.weight"] is params["layer.0.weight"] and value["step"] == 7
+    assert all(bool((params[k] == v).all()) for k, v in _state(3.0).items())
+    plain = rdt.get(p.shm.remote(4.0))  # no into, on the driver: the value itself
+    assert float(plain["layer.0.bias"][0, 0]) == 5.0
+
+
+def test_into_in_the_producer_copies(actors) -> None:
+    p, _ = actors
+    assert ray.get(p.self_into.remote([p.shm.remote(4.0)]), timeout=60)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "contiguity", "partial", "count"])
+def test_into_mismatch_refused_before_any_byte(actors, case: str) -> None:
+    p, c = actors
+    out = ray.get(c.load_bad.remote([p.shm.remote(1.0)], case), timeout=60)
+    assert out["error"] == "IntoMismatchError" and out["untouched"], out
+    if case in ("shape", "contiguity"):
+        assert "['layer.0.bias']" in out["msg"], out["msg"]
+    if case == "dtype":
+        assert "['ids']" in out["msg"] and "int64" in out["msg"] and "int32" in out["msg"], out["msg"]
+    assert "Fix:" in out["msg"]
+
+
+def test_tied_weights_into_separate_targets(actors) -> None:
+    p, c = actors
+    assert ray.get(c.load_tied.remote([p.tied_weights.remote()]), timeout=60)
+
+
+def test_several_refs_start_before_any_is_waited_on(actors) -> None:
+    p, c = actors
+    refs = [p.gate.remote(float(i)) for i in range(4)]
+    out = ray.get(c.load_many.remote(refs, 4), timeout=120)
+    assert out == {"ok": True, "started": 4}, out
+
+
+def test_wait_tensor_freed(actors) -> None:
+    p, c = actors
+    ref = p.kept.remote()
+    ray.get(ref)  # the object exists (driver fallback fetch)
+    assert ray.get(p.wait_freed.remote(0.5), timeout=60).startswith("TensorInUseError")
+    del ref
+    assert ray.get(p.wait_freed.remote(30.0), timeout=60) == "freed"
+
+
+def test_async_consumer_keeps_its_loop_serving(ray_cluster) -> None:
+    a, big = AsyncConsumer.remote(), BigProducer.remote()
+    try:
+        ray.get(a.ping.remote(), timeout=60)
+        ticks = ray.get(a.load_while_serving.remote([big.big.remote()]), timeout=120)
+        assert ticks > 5, f"the event loop ran {ticks} times during a 64 MiB receive"
+    finally:
+        ray.kill(a)
+        ray.kill(big)
