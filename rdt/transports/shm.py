@@ -52,7 +52,7 @@ class ShmTransport(Transport):
         desc: Optional[ShmDescriptor] = meta.export("shm")
         info = desc.cma if desc is not None else None
         if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
-            bufs = [landing(ctx, site, i, b.nbytes) for i, b in enumerate(meta.buffers)]
+            bufs = _landings(ctx, meta, site)
             try:
                 ctx.cma.read(meta.producer.pid, info, [b.data_ptr() for b in bufs], meta.obj_id)
                 return Fetched(bufs, "shm-direct")
@@ -107,3 +107,19 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     ctx.stats.add("shm", "out", entry.nbytes)
     body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
     return _control.RESP_OK, seg.name.encode() + b"\0" + body
+
+
+_ALIGN = 64
+
+
+def _landings(ctx: Any, meta: ObjectMeta, site: Site) -> List[torch.Tensor]:
+    """Where a direct read lands: the caller's targets (rdt.get into=), else views of one block for all buffers
+    (one allocation for an object of many tensors, instead of one per tensor)."""
+    if site.into or len(meta.buffers) < 2:
+        return [landing(ctx, site, i, b.nbytes) for i, b in enumerate(meta.buffers)]
+    offsets, at = [], 0
+    for b in meta.buffers:
+        offsets.append(at)
+        at += -(-b.nbytes // _ALIGN) * _ALIGN
+    block = ctx.buffers.empty(max(at, 1))
+    return [block[o:o + b.nbytes] for o, b in zip(offsets, meta.buffers)]

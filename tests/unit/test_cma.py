@@ -136,3 +136,19 @@ def test_guard_layout() -> None:
     assert g.tobytes() == _cma.MAGIC + OBJ and g.flags.writeable
     _cma.clear(g)
     assert not g.any()
+
+
+@pytest.mark.skipif(not _cma.supported(), reason="process_vm_readv is not allowed here")
+def test_batched_read_of_many_ranges_and_a_bad_one() -> None:
+    """2 500 ranges (more than one iovec batch) land in order; a range at a bad address raises CmaError."""
+    srcs = [torch.full((16 + i % 7,), i % 251, dtype=torch.uint8) for i in range(2500)]
+    dst = torch.zeros(sum(s.numel() for s in srcs), dtype=torch.uint8)
+    parts, at = [], 0
+    for s in srcs:
+        parts.append((dst.data_ptr() + at, s.data_ptr(), s.numel()))
+        at += s.numel()
+    _cma._read_batched(os.getpid(), parts)
+    assert torch.equal(dst, torch.cat(srcs))
+    parts[1200] = (parts[1200][0], 8, parts[1200][2])  # unmapped page
+    with pytest.raises(_cma.CmaError):
+        _cma._read_batched(os.getpid(), parts)
