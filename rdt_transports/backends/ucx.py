@@ -1,9 +1,11 @@
 """UCX backend (ucxx): two-sided tagged send/recv for cpu and cuda tensors over UCX endpoints.
 
 Connections: every rank runs a UCX listener on an ephemeral port and publishes ``host:port`` in the group
-rendezvous (``ucx/addr/<rank>``). For each pair of ranks exactly one endpoint exists: the lower rank connects
-to the higher one, lazily, on the first operation that involves that peer. The higher rank waits for the
-incoming, authenticated endpoint.
+rendezvous (``ucx/addr/<rank>``), and its Ray node id and UCX worker address (``ucx/waddr/<rank>``). For each pair
+of ranks exactly one connection exists: the lower rank connects to the higher one, lazily, on the first operation
+that involves that peer. The higher rank waits for the incoming, authenticated connection. Peers on another node
+connect to the listener; peers on the same Ray node connect worker to worker (below), because UCX gives a
+listener endpoint only ``tcp`` here while a worker-address endpoint gets shared memory and CMA.
 
 Authentication: the listener accepts anyone, so every new endpoint runs a mutual challenge-response before it
 is used. The server sends a random nonce; the client answers with its rank, its own nonce and
@@ -14,6 +16,20 @@ connect to us, a duplicate) closes the endpoint and is counted in ``stats["rejec
 from the network is ever unpickled: all control messages are fixed-size :mod:`struct` records. UCX tag
 matching is per worker, but ucxx hashes every tag with a random per-endpoint value agreed at connection time,
 so an unauthenticated endpoint cannot produce messages that match our receives.
+
+Same-node peers (``RDT_UCX_SAME_NODE=0`` turns this off): UCX selects its shared-memory transports (sysv, posix,
+cma) only for endpoints made from a worker address *without* UCX peer error handling (with it, sm is
+"unreachable"; listener endpoints require it). A worker address lets anyone who learns it send to our worker,
+and worker tag matching does not look at the sender, so: the client sends HELLO(rank, pid, nonce, MAC) on a tag
+derived from the group uid and the server's rank; the server checks the MAC, reads the client's worker address
+from the rendezvous (never from the network), connects back and sends CHALLENGE(pid, nonce, MAC over both
+nonces) on a tag derived from the client's nonce; the client checks it and answers RESPONSE(MAC) on a tag derived
+from the server's nonce. Both then derive per-direction keys from the secret and both nonces, and every later
+message of the pair travels on ``blake2b(key, tag)``: a sender without the secret cannot produce a tag that
+matches a control or user receive. Bad MACs, wrong-size hellos and duplicates are counted in
+``stats["rejected_connections"]``. Without UCX error handling the pair watches the peer's process with a pidfd
+(death -> PeerUnavailableError) and sends BYE on abort/shutdown. ``describe()`` / ``transports()`` report per peer
+which path was taken and which transports UCX put on the endpoint's lanes (read with ``ucp_ep_print_info``).
 
 Transfer protocol, matched on (peer, tag) so posting order does not matter:
 
