@@ -249,6 +249,7 @@ class _Peer:
         self.send_key: Optional[bytes] = None  # worker-address endpoints: keys of the pair's wire tags
         self.recv_key: Optional[bytes] = None
         self.pidfd: Optional[int] = None  # watches a same-node peer's process (no UCX error handling there)
+        self.dead: "asyncio.Future[None]" = loop.create_future()  # resolved by _fail_peer (error in .error)
 
 
 class _UcxWork(Work):
@@ -709,14 +710,31 @@ class UcxBackend(Backend):
         if state.send_key is None:
             await state.ep.send(buf, tag=tag)
         else:
-            await state.ep.send(buf, tag=_wire_tag(state.send_key, tag), force_tag=True)
+            await self._guarded(state, state.ep.send(buf, tag=_wire_tag(state.send_key, tag), force_tag=True))
 
     async def _precv(self, state: _Peer, buf: Any, tag: int) -> None:
         """Receive from the pair; on a worker-address pair only a keyed tag matches, which needs the secret."""
         if state.recv_key is None:
             await state.ep.recv(buf, tag=tag)
         else:
-            await state.ep.recv(buf, tag=_wire_tag(state.recv_key, tag), force_tag=True)
+            await self._guarded(state, state.ep.recv(buf, tag=_wire_tag(state.recv_key, tag), force_tag=True))
+
+    async def _guarded(self, state: _Peer, coro: Any) -> None:
+        """Await a UCX request on a worker-address pair, failing when the peer is declared dead (pidfd, BYE):
+        without UCX error handling the request itself would wait forever."""
+        if state.dead.done():
+            coro.close()
+            raise state.error or self._closed_error(None, None)
+        op = asyncio.ensure_future(coro)
+        try:
+            await asyncio.wait([op, state.dead], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not op.done():
+                op.cancel()
+        if op.done() and not op.cancelled():
+            op.result()
+            return
+        raise state.error or self._closed_error(None, None)
 
     def _on_ep_closed(self, peer: int, ep: Any) -> None:
         """Endpoint error/close callback (on the loop): fail everything waiting on that peer."""
@@ -730,6 +748,8 @@ class UcxBackend(Backend):
         """Mark a peer unusable and fail every operation waiting on it."""
         if state.error is None:
             state.error = err
+        if not state.dead.done():
+            state.dead.set_result(None)
         if not state.ready.done():
             state.ready.set_exception(err)
         for fut in list(state.header_waiters.values()) + list(state.reply_waiters.values()):
@@ -958,7 +978,9 @@ class UcxBackend(Backend):
 
     async def _say_bye(self, states: "list[_Peer]") -> None:
         """Send BYE to same-node peers (bounded wait), then close their endpoints."""
-        sends = [asyncio.ensure_future(self._ctl_send(s, _BYE, 0, 0, 0)) for s in states]
+        bye = _CTL.pack(_BYE, 0, 0, 0, 0, 0)  # sent unguarded: the peers are already marked failed on our side
+        sends = [asyncio.ensure_future(s.ep.send(bytearray(bye), tag=_wire_tag(s.send_key, _CTL_TAG), force_tag=True))
+                 for s in states if s.send_key is not None]
         try:
             await asyncio.wait(sends, timeout=0.5)
         finally:
