@@ -48,16 +48,19 @@ def describe_pair(a: Optional[str], b: Optional[str]) -> str:
 def rdt_collective_mechanism(group_name: str, op: str, nbytes: int, algorithm: str) -> str:
     """In a group member: the path rdt_transports takes for ``op`` of ``nbytes`` in ``group_name``.
 
-    p2p: the backend's name. allreduce: 'shm-allreduce' when the Gloo backend's same-node shared-memory allreduce
-    is set up (and the size is at or above its threshold), the backend's name for another native allreduce, and
-    '<backend>-p2p/<algorithm>' for an algorithm over point to point (``auto`` resolved as the group resolves it).
+    p2p: the backend's name, with the transport it chose where it tells ('ucx (shm/cma)', 'ucx (tcp)').
+    allreduce: 'shm-allreduce' when the Gloo backend's same-node shared-memory allreduce is set up (and the size
+    is at or above its threshold), the backend's name for another native allreduce, and '<backend>-p2p/<algorithm>'
+    for an algorithm over point to point (``auto`` resolved as the group resolves it).
     """
     import rdt_transports as rt
 
     group = rt.get_group(group_name)
     backend = group.backend_name
     if op == "p2p":
-        return backend
+        transports = getattr(group.backend, "transports", None)  # ucx: what UCX chose, e.g. 'ucx (shm/cma)'
+        chosen = transports() if callable(transports) else ""
+        return f"{backend} ({chosen})" if chosen else backend
     algo = algorithm
     if algo == "auto":
         resolve = getattr(group, "_algorithm", None)

@@ -261,3 +261,90 @@ def test_shutdown_unconnected_is_quick() -> None:
     b1.shutdown()
     b1.shutdown()
     assert time.monotonic() - t0 < 2.0
+
+
+# ---------------------------------------------------------------------------------------------- same-node path
+def test_same_node_pair_uses_worker_address_shared_memory(pair) -> None:
+    """Two ranks on one Ray node connect through worker-address endpoints, and UCX picks shared memory/CMA."""
+    b0, b1 = pair
+    for n in (1024, 16 << 20):  # 4 KiB and 64 MiB of float32
+        src, dst = torch.randn(n), torch.zeros(n)
+        _exchange(b0, b1, src, dst, _tag())
+        assert torch.equal(src, dst)
+        _exchange(b1, b0, src * 2, dst, _tag(), recv_first=False)
+        assert torch.equal(src * 2, dst)
+    for b, peer in ((b0, 1), (b1, 0)):
+        info = b.describe()["peers"][peer]
+        assert info["path"] == "worker-address", b.describe()
+        assert set(info["transports"].split("+")) & {"sysv", "posix", "cma"}, info
+        assert b.transports() == "shm/cma"
+
+
+def test_listener_path_when_same_node_endpoints_are_off(monkeypatch) -> None:
+    """RDT_UCX_SAME_NODE=0 (and peers on other nodes) keep the authenticated listener endpoints over tcp."""
+    monkeypatch.setenv("RDT_UCX_SAME_NODE", "0")
+    b0, b1 = _make_pair()
+    try:
+        src, dst = torch.randn(4096), torch.zeros(4096)
+        _exchange(b0, b1, src, dst, 1)
+        assert torch.equal(src, dst)
+        assert b0.describe()["peers"][1] == {"path": "listener", "transports": "tcp"}
+        assert b1.transports() == "tcp"
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+def _outsider_at_worker(addr: bytes, server_rank: int, uid: bytes, tag: int) -> None:
+    """Connect to a rank's worker address without the group secret: a hello with a bad MAC, a hello of the wrong
+    size, then a forged header and payload on the plain (unkeyed) tags a user receive would use."""
+    from ucxx._lib.libucxx import UCXAddress
+    from ucxx._lib_async.application_context import ApplicationContext
+
+    async def attack() -> None:
+        ctx = ApplicationContext(progress_mode="thread", enable_python_future=True)
+        ep = await ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(addr),
+                                                           endpoint_error_handling=False)
+        hello_tag = ucx_mod._tag64(b"hello", uid, ucx_mod._RANK.pack(server_rank))
+        bad = ucx_mod._HELLO.pack(0, os.getpid(), os.urandom(32), b"\0" * 32)
+        await asyncio.wait_for(ep.send(bytearray(bad), tag=hello_tag, force_tag=True), 5)
+        await asyncio.wait_for(ep.send(bytearray(bad + b"x" * 64), tag=hello_tag, force_tag=True), 5)
+        header = ucx_mod._CTL.pack(ucx_mod._HDR, ucx_mod._dtype_code(torch.float32), 0, tag, 16, 0)
+        for t in (ucx_mod._CTL_TAG, tag):
+            await asyncio.wait_for(ep.send(bytearray(header), tag=t, force_tag=True), 5)
+        await asyncio.wait_for(ep.send(bytearray(b"\x7f" * 16), tag=tag, force_tag=True), 5)
+        await asyncio.sleep(0.2)
+        ep.abort(period=10**8)
+        ctx.stop_notifier_thread()
+        ctx.worker.stop_progress_thread()
+
+    t = threading.Thread(target=lambda: asyncio.run(attack()))
+    t.start()
+    t.join(20)
+    assert not t.is_alive()
+
+
+def test_outsider_at_worker_address_is_rejected_and_never_matches_user_receives(pair) -> None:
+    b0, b1 = pair
+    _exchange(b0, b1, torch.ones(2), torch.zeros(2), _tag())  # the pair is connected (worker-address)
+    raw = b1.config.rendezvous.get("ucx/waddr/1", 5)
+    node, _, addr = raw.partition(b"|")
+    assert node and addr
+    tag = _tag()
+    dst = torch.zeros(4)
+    pending = b1.irecv(dst, 0, tag)
+    before = b1.stats["rejected_connections"]
+    _outsider_at_worker(addr, 1, b1._uid, tag)
+    deadline = time.monotonic() + 5
+    while b1.stats["rejected_connections"] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b1.stats["rejected_connections"] == before + 2  # the bad MAC and the wrong-size hello
+    with pytest.raises(CollectiveTimeoutError):
+        pending.wait(0.5)  # the forged header/payload did not complete it
+    assert torch.equal(dst, torch.zeros(4))
+    src = torch.arange(4.0)
+    s = b0.isend(src, 1, tag)
+    s.wait(10)
+    pending.wait(10)
+    assert torch.equal(dst, src)
+    assert b1.describe()["peers"][0]["path"] == "worker-address"  # the real pair kept its connection
