@@ -38,7 +38,7 @@ from ..errors import (
 )
 from . import _pairs
 from ._pairs import CANCEL, CTS, DATA, RTS, Link
-from .base import BackendConfig, Work
+from .base import Backend, BackendConfig, Work
 
 MAX_UNEXPECTED = 1 << 14  # RTS frames per peer waiting for their receive; more is a misbehaving peer
 _OK, _MISMATCH = 1, 2
@@ -371,3 +371,21 @@ class Matcher:
         for link in self.links.values():
             link.join(_lifecycle.JOIN_TIMEOUT_S)
         self.wire.close()
+
+
+class MatchedBackend(Backend):
+    """A backend whose point-to-point is the shared matcher over its ordered wire; subclasses set ``matcher``."""
+
+    matcher: Matcher
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return self.matcher.isend(tensor, peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        return self.matcher.irecv(tensor, peer, tag)
+
+    def abort(self) -> None:
+        self.matcher.abort()
+
+    def shutdown(self) -> None:
+        self.matcher.close()

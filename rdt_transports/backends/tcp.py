@@ -19,9 +19,9 @@ import torch
 
 from ..errors import CollectiveTimeoutError, GroupDestroyedError
 from ..types import Capabilities
-from ._matching import Matcher, OrderedWire, WireOp
+from ._matching import MatchedBackend, Matcher, OrderedWire, WireOp
 from ._pairs import Link
-from .base import Backend, BackendConfig, Work
+from .base import BackendConfig
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -124,7 +124,7 @@ class _SocketWire(OrderedWire):
                                                      peer=peer, hint="create the group again"))
 
 
-class TcpBackend(Backend):
+class TcpBackend(MatchedBackend):
     """CPU tensors over authenticated per-pair TCP connections, matched by (peer, tag); no native collectives."""
 
     capabilities = Capabilities(
@@ -141,15 +141,3 @@ class TcpBackend(Backend):
         self._wire = _SocketWire(self)
         self.matcher = Matcher(config, self._wire, label="tcp", backend="tcp")
         self.stats = self.matcher.stats
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return self.matcher.isend(tensor, peer, tag)
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return self.matcher.irecv(tensor, peer, tag)
-
-    def abort(self) -> None:
-        self.matcher.abort()
-
-    def shutdown(self) -> None:
-        self.matcher.close()

@@ -15,7 +15,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from rdt_transports.backends._matching import Matcher, OrderedWire, WireOp
+from rdt_transports.backends._matching import MatchedBackend, Matcher, OrderedWire, WireOp
 from rdt_transports.backends.base import Backend, BackendConfig, Work
 from rdt_transports.errors import CollectiveTimeoutError, GroupDestroyedError
 from rdt_transports.types import Capabilities
@@ -178,7 +178,7 @@ class FifoWire(OrderedWire):
         self.hub.abort(peer, self.rank)
 
 
-class MatchedFifoBackend(Backend):
+class MatchedFifoBackend(MatchedBackend):
     """The NCCL backend's p2p design after issue 13: the matcher's RTS/CTS over sockets, data on the FIFO wire."""
 
     capabilities = Capabilities(name="fifo", devices=frozenset({"cpu"}), checks_p2p_sizes=True)
@@ -187,18 +187,6 @@ class MatchedFifoBackend(Backend):
         super().__init__(config)
         self.hub = hub
         self.matcher = Matcher(config, FifoWire(hub, config.rank), label="fifo", backend="fifo")
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return self.matcher.isend(tensor, peer, tag)
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        return self.matcher.irecv(tensor, peer, tag)
-
-    def abort(self) -> None:
-        self.matcher.abort()
-
-    def shutdown(self) -> None:
-        self.matcher.close()
 
 
 def make_ranks(cls: Any, world: int, timeout: float, secret: bytes, *extra: Any,

@@ -10,7 +10,7 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -281,8 +281,9 @@ def test_wrong_secret_is_refused_at_connect() -> None:
                 b.shutdown()
 
 
-def test_listener_rejects_strangers_and_closes_after_init() -> None:
-    """An unauthenticated connection is refused and counted; once the ranks are in, nothing more is accepted."""
+
+def _rank1_listening(name: str) -> Tuple[List[Any], Callable[[int], None], threading.Thread, str, str]:
+    """Rank 1 of a tcp pair starting on a thread (its listener up and published), and the builder for rank 0."""
     from ._fifo_wire import LocalRendezvous
     from rdt_transports.backends.base import BackendConfig
     import uuid
@@ -292,11 +293,16 @@ def test_listener_rejects_strangers_and_closes_after_init() -> None:
     out: List[Any] = [None, None]
 
     def build(r: int) -> None:
-        out[r] = TcpBackend(BackendConfig("cap", uid, r, 2, TIMEOUT, SECRET, rdv))  # type: ignore[arg-type]
+        out[r] = TcpBackend(BackendConfig(name, uid, r, 2, TIMEOUT, SECRET, rdv))  # type: ignore[arg-type]
 
     t1 = threading.Thread(target=build, args=(1,), daemon=True)
     t1.start()
     host, _, port = rdv.get("tcp/addr/1", TIMEOUT).decode().rpartition(":")
+    return out, build, t1, host, port
+
+def test_listener_rejects_strangers_and_closes_after_init() -> None:
+    """An unauthenticated connection is refused and counted; once the ranks are in, nothing more is accepted."""
+    out, build, t1, host, port = _rank1_listening("cap")
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:  # a stranger with no secret
         s.settimeout(TIMEOUT)
         s.recv(64)
@@ -320,20 +326,7 @@ def test_listener_rejects_strangers_and_closes_after_init() -> None:
 
 def test_silent_stranger_does_not_stall_init() -> None:
     """A connection that never answers the challenge does not hold up the ranks; it is cut when init ends."""
-    from ._fifo_wire import LocalRendezvous
-    from rdt_transports.backends.base import BackendConfig
-    import uuid
-
-    rdv = LocalRendezvous()
-    uid = uuid.uuid4().hex
-    out: List[Any] = [None, None]
-
-    def build(r: int) -> None:
-        out[r] = TcpBackend(BackendConfig("silent", uid, r, 2, TIMEOUT, SECRET, rdv))  # type: ignore[arg-type]
-
-    t1 = threading.Thread(target=build, args=(1,), daemon=True)
-    t1.start()
-    host, _, port = rdv.get("tcp/addr/1", TIMEOUT).decode().rpartition(":")
+    out, build, t1, host, port = _rank1_listening("silent")
     stranger = socket.create_connection((host, int(port)), timeout=TIMEOUT)  # connects first, then says nothing
     try:
         start = time.monotonic()
