@@ -146,10 +146,11 @@ def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...
     carrier = _self_contained(meta)
     if carrier is not None:
         return carrier.fetch(ctx, meta, _NOWHERE, time.monotonic()), carrier.name  # the bytes are in meta
+    explicit = bool(into) or timeout is not None  # rdt.get: never a task argument
     timeout = min(timeout, meta.timeout or ctx.config.transfer_timeout) if timeout is not None \
         else meta.timeout or ctx.config.transfer_timeout
     deadline = time.monotonic() + timeout
-    site = site_for(meta, task_argument=False, into=into) if into or timeout is not None else site_for(meta)
+    site = site_for(meta, task_argument=False, into=into) if explicit else site_for(meta)
     chain = candidates(meta, site, ctx)
     for i, t in enumerate(chain):
         try:
