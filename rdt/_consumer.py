@@ -28,8 +28,8 @@ from .transports import Fetched, SetupFailed, Site, Transport
 
 logger = logging.getLogger("rdt")
 
-def resolve(ctx: Any, meta: ObjectMeta) -> Any:
-    """Rebuild the value ``meta`` stands for in this process."""
+def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None) -> Any:
+    """Rebuild the value ``meta`` stands for in this process (``timeout``: an explicit rdt.get's time left)."""
     if ctx.is_me(meta.producer):
         entry = ctx.table.get(meta.obj_id)
         if entry is not None:
@@ -49,7 +49,7 @@ def resolve(ctx: Any, meta: ObjectMeta) -> Any:
             if all(x is not None for x in leaves):
                 return unflatten(meta.skeleton, leaves)
     start = time.monotonic()
-    fetched, name = fetch(ctx, meta)
+    fetched, name = fetch(ctx, meta, timeout=timeout)
     elapsed = time.monotonic() - start
     ctx.stats.add(name, "in", meta.nbytes, elapsed, path=fetched.label)
     logger.debug("rdt: fetched object=%s producer=%s path=%s bytes=%d in %.4fs", meta.id_hex,

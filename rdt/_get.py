@@ -50,23 +50,10 @@ def _one(meta: Any, into: Any, deadline: float) -> Any:
         return meta
     ctx = _context()
     left = max(deadline - time.monotonic(), 1e-3)
+    from ._consumer import resolve, resolve_into
+
     if into is None:
-        from ._consumer import fetch
-        from ._flatten import leaf_from_buffer, unflatten
-
-        if ctx.is_me(meta.producer):
-            return ctx.resolve(meta)
-        start = time.monotonic()
-        fetched, name = fetch(ctx, meta, timeout=left)
-        ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
-        leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
-        if fetched.keepalive is not None:
-            for leaf in leaves:
-                if isinstance(leaf, torch.Tensor):
-                    leaf._rdt_keepalive = fetched.keepalive
-        return unflatten(meta.skeleton, leaves)
-    from ._consumer import resolve_into
-
+        return resolve(ctx, meta, timeout=left)
     return resolve_into(ctx, meta, into, left)
 
 
