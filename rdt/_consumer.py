@@ -19,7 +19,7 @@ import torch
 from rdt_transports._context import get_context as get_transport_context
 
 from . import _cuda_ipc, _into, transports
-from ._flatten import leaf_from_buffer, unflatten
+from ._flatten import unflatten
 from ._meta import ObjectMeta
 from ._peer import died, freed, producer_alive
 from ._runtime import called_by_ray_get, in_actor, node_id, task_id
@@ -56,7 +56,7 @@ def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None) -> A
                  meta.producer.actor_id[:12], fetched.label, meta.nbytes, elapsed)
     if fetched.keepalive is not None:
         keep_alive(fetched.buffers, fetched.keepalive)
-    leaves = [leaf_from_buffer(s, fetched.buffers) for s in meta.specs]
+    leaves = meta.specs.rebuild(fetched.buffers)
     if task is not None and len(meta.specs):
         _remember(ctx, key, leaves)
     return unflatten(meta.skeleton, leaves)
@@ -96,7 +96,7 @@ def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None,
         g = mine.get(ref.uid)
         if g is not None and g.state.value == "healthy":
             groups.setdefault(ref.backend, (g, ref))
-    cuda = _cuda_ipc.target_device() if any(b.device.startswith("cuda") for b in meta.buffers) else None
+    cuda = _cuda_ipc.target_device() if "cuda" in meta.buffers.device_types else None
     actor = in_actor()
     if task_argument is None:
         task_argument = actor and not called_by_ray_get()
@@ -202,6 +202,8 @@ def keep_alive(buffers: List[torch.Tensor], holder: Any) -> None:
     """The storage of each buffer holds ``holder`` (e.g. the lifetime token of the producer memory it maps), so every
     tensor on that storage keeps it: the leaves, views derived from them, numpy and cupy leaves (which hold their
     tensor). torch keeps a storage's Python object, and its attributes, for as long as the storage lives."""
+    if isinstance(buffers, transports.BlockViews):
+        buffers = [buffers.block]
     for buf in buffers:
         try:
             buf.untyped_storage()._rdt_keepalive = holder

@@ -10,55 +10,55 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from ray import cloudpickle
 
-# Leaf kinds: how to give a tensor back to the user.
-KIND_TORCH = 0
-KIND_NUMPY = 1
-KIND_PARAMETER = 2
-KIND_CUPY = 3
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one leaf lives inside a buffer and how to rebuild it."""
-
-    buffer: int  # index into buffers, -1 for an empty tensor
-    dtype: str  # torch dtype name, e.g. "float32"
-    shape: Tuple[int, ...]
-    stride: Tuple[int, ...]
-    offset: int  # in elements of dtype, from the buffer start
-    kind: int
-    requires_grad: bool = False
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A contiguous byte range of one storage: the unit that is moved."""
-
-    nbytes: int
-    device: str  # "cpu", "cuda:0", ...
+from ._specs import KIND_CUPY, KIND_NUMPY, KIND_PARAMETER, KIND_TORCH, BufferTable, SpecTable, TensorSpec
 
 
 class Flattened:
     """Producer-side result of flattening: skeleton bytes, leaf specs, and the byte buffers to move."""
 
-    def __init__(self, skeleton: bytes, specs: List[TensorSpec], buffers: List[torch.Tensor], leaves: List[Any]):
+    def __init__(self, skeleton: bytes, specs: SpecTable, spans: List[Tuple[torch.Tensor, int, int]],
+                 leaves: List[Any], table: BufferTable) -> None:
         self.skeleton = skeleton
         self.specs = specs
-        self.buffers = buffers  # uint8 1-D views over the producer's storages (no copy)
         self.leaves = leaves  # the original leaf objects, for passing back to the producer
+        self.table = table  # the buffers' sizes and devices, as ObjectMeta carries them
+        self._spans = spans  # per buffer: (a tensor on its storage, first byte, end byte)
+        self._buffers: Optional[List[torch.Tensor]] = None
+
+    @property
+    def buffers(self) -> List[torch.Tensor]:
+        """uint8 1-D views over the producer's storages (no copy), made on first use: a direct reader needs only
+        :attr:`ranges`, and a view per buffer costs microseconds per tensor of a large state dict."""
+        if self._buffers is None:
+            out = []
+            for owner, lo, hi in self._spans:
+                buf = torch.empty(0, dtype=torch.uint8, device=owner.device)
+                buf.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
+                out.append(buf)
+            self._buffers = out
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, value: List[torch.Tensor]) -> None:
+        self._buffers = list(value)
+        self._spans = [(b, b.storage_offset(), b.storage_offset() + b.numel()) for b in self._buffers]
+
+    @property
+    def ranges(self) -> List[Tuple[int, int]]:
+        """Per buffer: (address, bytes), without making the buffers."""
+        return [(owner.untyped_storage().data_ptr() + lo, hi - lo) for owner, lo, hi in self._spans]
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        return self.table.total
 
-    def buffer_specs(self) -> List[BufferSpec]:
-        return [BufferSpec(b.numel(), str(b.device)) for b in self.buffers]
+    def buffer_specs(self) -> BufferTable:
+        return self.table
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -66,6 +66,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _to_torch(obj: Any) -> Optional[Tuple[torch.Tensor, int]]:
+    if type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_nested:  # the common case, fast
+        return obj, KIND_TORCH
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_nested:
             from rdt_transports.errors import InvalidArgumentError
@@ -96,6 +98,37 @@ class _Pickler(cloudpickle.CloudPickler):
         if not isinstance(obj, torch.Tensor) and type(obj).__module__.split(".")[0] not in ("numpy", "cupy"):
             return None
         return self._found.add(obj)
+
+
+class _PlainPickler(pickle.Pickler):
+    """The C pickler, for values made only of containers, tensors and scalars (see :func:`_plain`): cloudpickle's
+    per-object Python hook costs microseconds per tensor of a large state dict."""
+
+    def __init__(self, file: io.BytesIO, found: "_Collector") -> None:
+        super().__init__(file, protocol=5)
+        self._found = found
+
+    def persistent_id(self, obj: Any) -> Optional[int]:  # noqa: D401 - pickle hook
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            return self._found.add(obj)
+        return None
+
+
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is dicts/lists/tuples of torch tensors and scalars only (any nesting up to 32 levels)."""
+    t = type(value)
+    if t is torch.Tensor or t is torch.nn.Parameter or t in _SCALARS:
+        return True
+    if depth > 32:
+        return False
+    if t is dict:
+        return all(type(k) in _SCALARS for k in value) and all(_plain(v, depth + 1) for v in value.values())
+    if t is list or t is tuple:
+        return all(_plain(v, depth + 1) for v in value)
+    return False
 
 
 class _Collector:
@@ -129,7 +162,7 @@ def flatten(value: Any) -> Flattened:
         return _finish(_BARE_SKELETON, found)
     out = io.BytesIO()
     try:
-        _Pickler(out, found).dump(value)
+        (_PlainPickler if _plain(value) else _Pickler)(out, found).dump(value)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         from rdt_transports.errors import InvalidArgumentError
 
@@ -141,50 +174,65 @@ def flatten(value: Any) -> Flattened:
 
 
 def _finish(skeleton: bytes, found: _Collector) -> Flattened:
-    """Buffers and specs for the tensors ``found`` while pickling ``skeleton``."""
-    specs: List[TensorSpec] = []
-    buffers: List[torch.Tensor] = []
-    spans: Dict[Tuple[str, int], List[int]] = {}  # storage key -> [min_byte, max_byte, buffer index]
-    layout: List[Tuple[Tuple[str, int], int]] = []
-    for t, _kind in found.tensors:
-        if t.numel() == 0:
-            layout.append((("", 0), 0))
+    """Buffers and specs for the tensors ``found`` while pickling ``skeleton``: one pass over the leaves."""
+    names: Dict[torch.dtype, int] = {}
+    spans: Dict[Tuple[int, torch.device], List[Any]] = {}  # storage -> [min byte, max byte, tensor]
+    rows: List[Tuple[Any, int, int]] = []  # per leaf: (storage key or None, start byte, element size)
+    shapes: List[Tuple[int, ...]] = []
+    strides: List[Tuple[int, ...]] = []
+    dtypes: List[int] = []
+    kinds: List[int] = []
+    for (t, kind), leaf in zip(found.tensors, found.leaves):
+        di = names.get(t.dtype)
+        if di is None:
+            di = names[t.dtype] = len(names)
+        dtypes.append(di)
+        shape, stride = tuple(t.shape), t.stride()
+        shapes.append(shape)
+        strides.append(stride)
+        kinds.append(kind | (int(bool(leaf.requires_grad)) << 4) if kind == KIND_PARAMETER else kind)
+        n = t.numel()
+        if n == 0:
+            rows.append((None, 0, 1))
             continue
         es = t.element_size()
         start = t.storage_offset() * es
-        end = start + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * es
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        span = spans.setdefault(key, [start, end, -1])
-        span[0] = min(span[0], start)
-        span[1] = max(span[1], end)
-        layout.append((key, start))
-    storages: Dict[Tuple[str, int], Any] = {}
-    for t, _ in found.tensors:
-        if t.numel():
-            storages.setdefault((str(t.device), t.untyped_storage().data_ptr()), t)
-    for key, span in spans.items():
-        owner = storages[key]
-        buf = torch.empty(0, dtype=torch.uint8, device=owner.device)
-        buf.set_(owner.untyped_storage(), span[0], (span[1] - span[0],), (1,))
-        span[2] = len(buffers)
-        buffers.append(buf)
-    for (t, kind), (key, start), leaf in zip(found.tensors, layout, found.leaves):
-        rg = bool(leaf.requires_grad) if kind == KIND_PARAMETER else False
-        if t.numel() == 0:
-            specs.append(TensorSpec(-1, _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), 0, kind, rg))
+        if t.is_contiguous():
+            end = start + n * es
+        else:
+            end = start + (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * es
+        key = (t.untyped_storage().data_ptr(), t.device)
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [start, end, t]
+        else:
+            if start < span[0]:
+                span[0] = start
+            if end > span[1]:
+                span[1] = end
+        rows.append((key, start, es))
+    index = {key: i for i, key in enumerate(spans)}
+    owned = [(owner, lo, hi) for lo, hi, owner in spans.values()]
+    which: List[int] = []
+    offsets: List[int] = []
+    for key, start, es in rows:
+        if key is None:
+            which.append(-1)
+            offsets.append(0)
             continue
-        span = spans[key]
-        rel = start - span[0]
-        if rel % t.element_size():
+        rel = start - spans[key][0]
+        if rel % es:
             from rdt_transports.errors import InvalidArgumentError
 
             raise InvalidArgumentError(
-                f"a {t.dtype} view starts {rel} bytes into the span of its storage, not a multiple of its element "
-                "size", hint="return a .clone() of that view (or views of one dtype only)",
+                f"a view starts {rel} bytes into the span of its storage, not a multiple of its element size "
+                f"{es}", hint="return a .clone() of that view (or views of one dtype only)",
             )
-        specs.append(TensorSpec(span[2], _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()),
-                                rel // t.element_size(), kind, rg))
-    return Flattened(skeleton, specs, buffers, found.leaves)
+        which.append(index[key])
+        offsets.append(rel // es)
+    specs = SpecTable([_dtype_name(d) for d in names], which, dtypes, kinds, offsets, shapes, strides)
+    table = BufferTable([hi - lo for _, lo, hi in owned], [str(owner.device) for owner, _, _ in owned])
+    return Flattened(skeleton, specs, owned, found.leaves, table)
 
 
 def leaf_from_buffer(spec: TensorSpec, buffers: List[torch.Tensor], device: Optional[torch.device] = None) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ._flatten import BufferSpec, TensorSpec
+from ._specs import BufferTable, SpecTable
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,16 @@ class ObjectMeta:
     transport: str  # what the producer asked for: a transport's name or "auto"
     producer: ProducerInfo
     skeleton: bytes
-    specs: Tuple[TensorSpec, ...]
-    buffers: Tuple[BufferSpec, ...]
+    specs: SpecTable  # a sequence of TensorSpec (any sequence given is turned into the table)
+    buffers: BufferTable  # a sequence of BufferSpec (likewise)
     groups: Tuple[GroupRef, ...]
     token: Any  # ObjectRef owned by the producer; keeps the object alive while any holder exists
     exports: Tuple[Tuple[str, Any], ...] = ()  # (transport name, descriptor) for each transport that exported
     timeout: Optional[float] = None  # producer-chosen transfer timeout
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", SpecTable.of(self.specs))
+        object.__setattr__(self, "buffers", BufferTable.of(self.buffers))
 
     def export(self, name: str) -> Optional[Any]:
         """The descriptor transport ``name`` attached at return time, or None."""
@@ -65,7 +69,7 @@ class ObjectMeta:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return self.buffers.total
 
     def __reduce__(self) -> Any:
         return (_rebuild, (self.__dict__.copy(),))

@@ -12,7 +12,7 @@ import secrets
 from typing import Any, List, Optional, Tuple
 
 from . import _ready, transports
-from ._flatten import Flattened, flatten, leaf_from_buffer
+from ._flatten import Flattened, flatten
 from ._meta import ObjectMeta
 from ._ray_hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
 from ._table import Entry
@@ -29,14 +29,15 @@ def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, tim
         return value  # nothing to keep out of band
     if snapshot:
         flat.buffers = [b.clone() for b in flat.buffers]
-        flat.leaves = [leaf_from_buffer(s, flat.buffers) for s in flat.specs]
+        flat.leaves = flat.specs.rebuild(flat.buffers)
     chosen = None if transport == "auto" else transports.get(transport)
     if chosen is not None:
         check_devices(flat, chosen.capabilities)
     info = ctx.producer_info()
     entry = Entry(secrets.token_bytes(16), flat, transport)
     # Once per object, on the streams current at return: every export and serve waits on it before reading bytes.
-    entry.ready = _ready.record(ctx.stream_discipline, flat.buffers)
+    needs_event = flat.table.device_types & ctx.stream_discipline.device_types
+    entry.ready = _ready.record(ctx.stream_discipline, flat.buffers) if needs_event else None
     if ipc_map:
         entry.options["ipc_map"] = True
     for carrier in transports.self_contained():
@@ -46,14 +47,14 @@ def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, tim
             # inside: such an object is never served through the actor, and pickling a handle costs ~0.1 ms on
             # each side of every round trip.
             ctx.table.add_weak(entry.obj_id, flat.leaves)
-            return ObjectMeta(entry.obj_id, transport, ctx.inline_producer(info), flat.skeleton, tuple(flat.specs),
-                              tuple(flat.buffer_specs()), (), None, ((carrier.name, desc),), timeout)
+            return ObjectMeta(entry.obj_id, transport, ctx.inline_producer(info), flat.skeleton, flat.specs,
+                              flat.table, (), None, ((carrier.name, desc),), timeout)
     exports = _export(ctx, entry, transport, chosen)
     ctx.table.add(entry)
     token = ctx.tokens().take()
     if not add_out_of_scope_callback(token, lambda _id, oid=entry.obj_id: ctx.on_out_of_scope(oid)):
         logger.warning("rdt: could not watch the lifetime of %s; it will be freed at exit", entry.obj_id.hex())
-    return ObjectMeta(entry.obj_id, transport, info, flat.skeleton, tuple(flat.specs), tuple(flat.buffer_specs()),
+    return ObjectMeta(entry.obj_id, transport, info, flat.skeleton, flat.specs, flat.table,
                       tuple(ctx.groups()), token, exports, timeout)
 
 
@@ -63,7 +64,7 @@ def _export(ctx: Any, entry: Entry, transport: str, chosen: Optional[transports.
     if chosen is not None:
         desc = chosen.export(ctx, entry, transport)
         return () if desc is None else ((chosen.name, desc),)
-    devices = frozenset(b.device.type for b in entry.buffers)
+    devices = entry.flat.table.device_types
     out: List[Tuple[str, Any]] = []
     for t in transports.auto_chain():
         if not t.capabilities.carries(devices):
@@ -80,7 +81,7 @@ def _export(ctx: Any, entry: Entry, transport: str, chosen: Optional[transports.
 
 def check_devices(flat: Flattened, caps: transports.Capabilities) -> None:
     """Refuse at return an object the transport cannot carry (a device it does not move, or mixed devices)."""
-    devices = frozenset(b.device.type for b in flat.buffers)
+    devices = flat.table.device_types
     if caps.carries(devices):
         return
     if len(devices) > 1 and devices <= caps.devices:

@@ -75,6 +75,62 @@ def _nested_maker(transport: str):
     return nested
 
 
+def many_tensors(count: int = 300) -> Dict[str, Any]:
+    """A state-dict-like value of ``count`` leaves exercising every layout a leaf can have: several dtypes and
+    ranks, 0-d and empty tensors, transposed and strided views, views sharing one storage, the same tensor twice,
+    numpy arrays and Parameters (deterministic: the same on every call)."""
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randn(64, 48, generator=g)
+    out: Dict[str, Any] = {}
+    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float64, torch.bool, torch.float16)
+    for i in range(count):
+        kind = i % 10
+        dt = dtypes[i % len(dtypes)]
+        base = torch.randn(30 + i % 7, 50 + i % 3, generator=g) * 50
+        t = base.to(dt) if dt != torch.bool else base > 0
+        if kind == 1:
+            t = t.t()  # transposed view: not contiguous
+        elif kind == 2:
+            t = t[:, ::2]  # strided view
+        elif kind == 3:
+            t = shared[i % 60: i % 60 + 3]  # rows of one shared storage
+        elif kind == 4:
+            t = t[0, 0]  # 0-d view
+        elif kind == 5:
+            t = torch.empty(0, 4, dtype=dt)
+        elif kind == 6:
+            t = t.numpy() if dt not in (torch.bfloat16,) else t
+        elif kind == 7:
+            t = torch.nn.Parameter(t.float(), requires_grad=bool(i % 2))
+        out[f"layer.{i}.w"] = t
+    out["tied"] = out["layer.0.w"]
+    out["step"] = 7
+    return out
+
+
+def leaf_digests(value: Dict[str, Any]) -> List[Any]:
+    """Per leaf: (key, type, dtype, shape, bytes) -- what must survive a transfer bit-exact."""
+    rows = []
+    for k, v in value.items():
+        if isinstance(v, np.ndarray):
+            rows.append((k, "numpy", str(v.dtype), v.shape, v.tobytes()))
+        elif isinstance(v, torch.Tensor):
+            kind = f"param:{v.requires_grad}" if isinstance(v, torch.nn.Parameter) else "torch"
+            b = v.detach().reshape(-1).contiguous().view(torch.uint8)
+            rows.append((k, kind, str(v.dtype), tuple(v.shape), b.numpy().tobytes()))
+        else:
+            rows.append((k, type(v).__name__, v))
+    return rows
+
+
+def _many_maker(transport: str):
+    @rdt.tensor_method(tensor_transport=transport)
+    def many(self, count: int = 300) -> Dict[str, Any]:
+        return many_tensors(count)
+
+    return many
+
+
 @ray.remote(num_cpus=0)
 class Node:
     """Producer and consumer at once."""
@@ -87,6 +143,9 @@ class Node:
     nested_gloo = _nested_maker("gloo")
     nested_shm = _nested_maker("shm")
     nested_nixl = _nested_maker("nixl")
+    many_gloo = _many_maker("gloo")
+    many_shm = _many_maker("shm")
+    many_nixl = _many_maker("nixl")
 
     def __init__(self) -> None:
         self.kept: Any = None
@@ -130,6 +189,9 @@ class Node:
         return os.getpid()
 
     # ---- consumer side
+    def digests(self, value: Any) -> List[Any]:
+        return leaf_digests(value) + [("tied is tied", value["tied"] is value["layer.0.w"])]
+
     def total(self, value: Any) -> float:
         return float(value["w"].sum())
 

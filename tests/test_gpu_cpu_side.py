@@ -17,7 +17,7 @@ import torch
 import rdt
 import rdt_transports
 from rdt import _consumer, _cuda_ipc, _nixl_objects
-from rdt._flatten import BufferSpec
+from rdt._specs import BufferSpec
 from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
 from rdt.transports import Site
 from rdt.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedError

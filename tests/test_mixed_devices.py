@@ -13,7 +13,7 @@ import ray
 import torch
 
 from rdt import _consumer, _context, _cuda_ipc, _nixl_objects, _producer, transports
-from rdt._flatten import BufferSpec
+from rdt._specs import BufferSpec, BufferTable
 from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
 from rdt.errors import UnsupportedError
 from rdt.transports import Site
@@ -78,7 +78,5 @@ def test_nixl_refuses_a_mixed_value_at_return() -> None:
 
 
 def _mixed_flat() -> SimpleNamespace:
-    def buf(device: str) -> SimpleNamespace:
-        return SimpleNamespace(device=SimpleNamespace(type=device))
-
-    return SimpleNamespace(buffers=[buf("cuda"), buf("cpu")])
+    """A flattened value with one CUDA and one CPU buffer, as the producer sees it at return."""
+    return SimpleNamespace(table=BufferTable([64, 64], ["cuda:0", "cpu"]))

@@ -16,7 +16,7 @@ import rdt
 from rdt._shm import pid_alive
 from rdt.errors import InvalidArgumentError, NoCollectiveGroupError, ProducerDiedError
 
-from ._object_actors import AsyncNode, Node
+from ._object_actors import AsyncNode, Node, leaf_digests, many_tensors
 from .conftest import HAS_NIXL, wait_for
 
 N = 1 << 16  # elements: 256 KiB of float32, above the inline threshold, so tensors move out of band
@@ -276,3 +276,15 @@ def _dead(actor) -> bool:
         return True
     except ray.exceptions.GetTimeoutError:
         return False
+
+
+@pytest.mark.parametrize("transport", _transports(*OOB))
+def test_many_leaves_of_every_layout_arrive_bit_exact(nodes, transport):
+    """An object of 300 leaves (dtypes, ranks, views, shared storages, numpy, Parameters, 0-d and empty) travels
+    through the compact metadata tables and the one-block landing, and every leaf arrives bit-exact."""
+    p, c1 = nodes["p"], nodes["c1"]
+    before = _in(rdt.stats(c1), transport)
+    got = ray.get(c1.digests.remote(getattr(p, f"many_{transport}").remote(300)), timeout=60)
+    assert got[:-1] == leaf_digests(many_tensors(300))
+    assert got[-1] == ("tied is tied", True)
+    assert _in(rdt.stats(c1), transport) == before + 1

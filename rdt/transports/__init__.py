@@ -13,7 +13,8 @@ import threading
 from typing import Dict, List, Optional, Tuple, Type
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from .base import Capabilities, Fetched, SetupFailed, Site, Transport, Unusable, device_types, landing
+from .base import (BlockViews, Capabilities, Fetched, SetupFailed, Site, Transport, Unusable, block_views,
+                   device_types, landing)
 
 _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list them
     "gloo": ("rdt.transports.group", "GlooTransport"),
@@ -105,5 +106,5 @@ def unregister_transport(name: str) -> Optional[Transport]:
         return _user.pop(name, None)
 
 
-__all__ = ["Capabilities", "Fetched", "SetupFailed", "Site", "Transport", "Unusable", "auto_chain", "device_types", "landing",
+__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Transport", "Unusable", "auto_chain", "device_types", "landing",
            "fallback", "get", "loaded", "names", "register_transport", "self_contained", "unregister_transport"]

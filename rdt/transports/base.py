@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,7 +94,7 @@ class Unusable:
 class Fetched:
     """What a fetch produced: one buffer per BufferSpec (in this process) and the path that served it."""
 
-    buffers: List[torch.Tensor]
+    buffers: Sequence[torch.Tensor]  # a list, or BlockViews when they are byte ranges of one fresh block
     label: str
     keepalive: Optional[Any] = None  # held by each buffer's storage (e.g. the token behind mapped producer memory)
 
@@ -147,6 +147,58 @@ def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.de
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+ALIGN = 64  # where each buffer of a block starts: every dtype's view of it is aligned
+
+
+class BlockViews(Sequence[torch.Tensor]):
+    """Landing buffers that are byte ranges of one block: a sequence of uint8 views, each made only when indexed
+    (an object of a thousand tensors then costs one allocation, and its leaves are rebuilt from the block)."""
+
+    __slots__ = ("block", "offsets", "sizes")
+
+    def __init__(self, block: torch.Tensor, offsets: List[int], sizes: List[int]) -> None:
+        self.block = block
+        self.offsets = offsets
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        o = self.offsets[i]
+        return self.block[o:o + self.sizes[i]]
+
+    def addresses(self) -> List[int]:
+        """Each buffer's address (for readers that take raw pointers)."""
+        base = self.block.data_ptr()
+        return [base + o for o in self.offsets]
+
+    def span(self, first: int, last: int) -> torch.Tensor:
+        """One view from the start of buffer ``first`` to the end of buffer ``last`` (padding included)."""
+        return self.block[self.offsets[first]:self.offsets[last] + self.sizes[last]]
+
+
+def padded_offsets(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """Where each buffer of a block starts (multiples of :data:`ALIGN`) and the block's size."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // ALIGN) * ALIGN
+    return offsets, at
+
+
+def block_views(ctx: Any, sizes: List[int], device: Optional[torch.device] = None) -> BlockViews:
+    """Fresh landing buffers of ``sizes`` bytes as byte ranges of one block, each at a multiple of ALIGN."""
+    device = device or torch.device("cpu")
+    offsets, total = padded_offsets(sizes)
+    total = max(total, 1)
+    block = ctx.buffers.empty(total) if device.type == "cpu" else torch.empty(total, dtype=torch.uint8,
+                                                                                device=device)
+    return BlockViews(block, offsets, list(sizes))
+
+
 _context_getter: Optional[Callable[[], Any]] = None
 
 
@@ -165,4 +217,4 @@ def context() -> Any:
 
 def device_types(meta: "ObjectMeta") -> FrozenSet[str]:
     """The device types of an object's buffers ("cpu", "cuda")."""
-    return frozenset(b.device.split(":")[0] for b in meta.buffers)
+    return meta.buffers.device_types

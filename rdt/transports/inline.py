@@ -21,7 +21,7 @@ class InlineTransport(Transport):
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[Tuple[bytes, ...]]:
         flat = entry.flat
-        if flat.nbytes > ctx.config.inline_threshold or any(b.device.type != "cpu" for b in flat.buffers):
+        if flat.nbytes > ctx.config.inline_threshold or flat.table.device_types - {"cpu"}:
             return None
         wait_ready(entry)
         return tuple(b.numpy().tobytes() for b in flat.buffers)

@@ -12,7 +12,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from .. import _cma, _control, _shm
 from .._ready import wait_ready
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
-from .base import Capabilities, Fetched, Served, Site, Transport, landing
+from .base import BlockViews, Capabilities, Fetched, Served, Site, Transport, block_views, landing
 
 logger = logging.getLogger("rdt")
 
@@ -42,7 +42,7 @@ class ShmTransport(Transport):
         if ctx.cma_readable():
             guard = entry.exports["cma_guard"] = _cma.guard_for(entry.obj_id)
             return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data,
-                                                  tuple((b.data_ptr(), b.numel()) for b in entry.buffers)))
+                                                  tuple(entry.flat.ranges)))
         if chosen == "shm":
             seg = entry.exports["shm"] = ctx.shm_pool.write(entry.buffers, entry.obj_id)
             return ShmDescriptor(segment=seg)
@@ -54,7 +54,9 @@ class ShmTransport(Transport):
         if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
             bufs = _landings(ctx, meta, site)
             try:
-                ctx.cma.read(meta.producer.pid, info, [b.data_ptr() for b in bufs], meta.obj_id)
+                ctx.cma.read(meta.producer.pid, info,
+                             bufs.addresses() if isinstance(bufs, BlockViews) else [b.data_ptr() for b in bufs],
+                             meta.obj_id)
                 return Fetched(bufs, "shm-direct")
             except _cma.CmaError as e:
                 # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
@@ -109,17 +111,10 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     return _control.RESP_OK, seg.name.encode() + b"\0" + body
 
 
-_ALIGN = 64
-
-
-def _landings(ctx: Any, meta: ObjectMeta, site: Site) -> List[torch.Tensor]:
+def _landings(ctx: Any, meta: ObjectMeta, site: Site) -> Sequence[torch.Tensor]:
     """Where a direct read lands: the caller's targets (rdt.get into=), else views of one block for all buffers
     (one allocation for an object of many tensors, instead of one per tensor)."""
-    if site.into or len(meta.buffers) < 2:
-        return [landing(ctx, site, i, b.nbytes) for i, b in enumerate(meta.buffers)]
-    offsets, at = [], 0
-    for b in meta.buffers:
-        offsets.append(at)
-        at += -(-b.nbytes // _ALIGN) * _ALIGN
-    block = ctx.buffers.empty(max(at, 1))
-    return [block[o:o + b.nbytes] for o, b in zip(offsets, meta.buffers)]
+    sizes = meta.buffers.sizes
+    if site.into or len(sizes) < 2:
+        return [landing(ctx, site, i, n) for i, n in enumerate(sizes)]
+    return block_views(ctx, sizes)

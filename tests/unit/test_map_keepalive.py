@@ -12,7 +12,8 @@ import weakref
 import torch
 
 from rdt._consumer import keep_alive
-from rdt._flatten import KIND_NUMPY, KIND_TORCH, TensorSpec, leaf_from_buffer
+from rdt._flatten import leaf_from_buffer
+from rdt._specs import KIND_NUMPY, KIND_TORCH, TensorSpec
 
 
 class _Token:

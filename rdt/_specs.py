@@ -1,0 +1,252 @@
+"""Compact tables of an object's leaves and buffers: what ObjectMeta carries for a value of hundreds of tensors.
+
+A model's state dict is hundreds of tensors. Pickling one dataclass per leaf, and rebuilding each leaf with its own
+allocation, cost tens of microseconds per tensor on both sides. These tables pickle as a few flat integer arrays,
+read as sequences of :class:`TensorSpec` / :class:`BufferSpec` where a caller wants one, and rebuild every leaf
+as a view of its received buffer with one ``as_strided`` each (one typed view per storage and dtype).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union, overload
+
+import torch
+
+# Leaf kinds: how to give a tensor back to the user.
+KIND_TORCH = 0
+KIND_NUMPY = 1
+KIND_PARAMETER = 2
+KIND_CUPY = 3
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one leaf lives inside a buffer and how to rebuild it."""
+
+    buffer: int  # index into buffers, -1 for an empty tensor
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int  # in elements of dtype, from the buffer start
+    kind: int
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A contiguous byte range of one storage: the unit that is moved."""
+
+    nbytes: int
+    device: str  # "cpu", "cuda:0", ...
+
+
+def _ints(values: Sequence[int]) -> bytes:
+    return array("q", values).tobytes()
+
+
+def _unints(data: bytes) -> List[int]:
+    a = array("q")
+    a.frombytes(data)
+    return a.tolist()
+
+
+class BufferTable(Sequence[BufferSpec]):
+    """The buffers of one object: sizes and devices, as two lists (pickled as one int array and device names)."""
+
+    __slots__ = ("sizes", "devices", "total", "device_types")
+
+    def __init__(self, sizes: Sequence[int], devices: Sequence[str]) -> None:
+        self.sizes: List[int] = list(sizes)
+        self.devices: List[str] = list(devices)
+        self.total: int = sum(self.sizes)
+        self.device_types: FrozenSet[str] = frozenset(d.split(":")[0] for d in set(self.devices))
+
+    @classmethod
+    def of(cls, specs: Union["BufferTable", Sequence[BufferSpec]]) -> "BufferTable":
+        """A table from BufferSpecs (or the table itself)."""
+        if isinstance(specs, BufferTable):
+            return specs
+        return cls([b.nbytes for b in specs], [b.device for b in specs])
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> BufferSpec: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> List[BufferSpec]: ...
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [BufferSpec(n, d) for n, d in zip(self.sizes[i], self.devices[i])]
+        return BufferSpec(self.sizes[i], self.devices[i])
+
+    def __iter__(self) -> Iterator[BufferSpec]:
+        return (BufferSpec(n, d) for n, d in zip(self.sizes, self.devices))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, BufferTable) and self.sizes == other.sizes and self.devices == other.devices
+
+    def __reduce__(self) -> Any:
+        names = sorted(set(self.devices))
+        if len(names) == 1:
+            return (_load_buffers, (_ints(self.sizes), tuple(names), b""))
+        index = {d: i for i, d in enumerate(names)}
+        return (_load_buffers, (_ints(self.sizes), tuple(names), bytes(index[d] for d in self.devices)))
+
+    def __repr__(self) -> str:
+        return f"BufferTable({len(self)} buffers, {self.total} bytes, {sorted(set(self.devices))})"
+
+
+def _load_buffers(sizes: bytes, names: Tuple[str, ...], which: bytes) -> BufferTable:
+    n = _unints(sizes)
+    devices = [names[0]] * len(n) if len(names) == 1 else [names[i] for i in which]
+    return BufferTable(n, devices)
+
+
+class SpecTable(Sequence[TensorSpec]):
+    """The leaves of one object as columns; pickled as dtype names plus flat integer arrays."""
+
+    __slots__ = ("names", "buffer", "dtype", "kind", "offset", "shape", "stride")
+
+    def __init__(self, names: Sequence[str], buffer: List[int], dtype: List[int], kind: List[int],
+                 offset: List[int], shape: List[Tuple[int, ...]], stride: List[Tuple[int, ...]]) -> None:
+        self.names = tuple(names)  # dtype names used by this object, indexed by ``dtype``
+        self.buffer = buffer
+        self.dtype = dtype
+        self.kind = kind  # leaf kind | requires_grad << 4
+        self.offset = offset
+        self.shape = shape
+        self.stride = stride
+
+    @classmethod
+    def of(cls, specs: Union["SpecTable", Sequence[TensorSpec]]) -> "SpecTable":
+        """A table from TensorSpecs (or the table itself)."""
+        if isinstance(specs, SpecTable):
+            return specs
+        names: Dict[str, int] = {}
+        dtypes = [names.setdefault(s.dtype, len(names)) for s in specs]
+        return cls(list(names), [s.buffer for s in specs], dtypes,
+                   [s.kind | (int(s.requires_grad) << 4) for s in specs], [s.offset for s in specs],
+                   [tuple(s.shape) for s in specs], [tuple(s.stride) for s in specs])
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def _spec(self, i: int) -> TensorSpec:
+        k = self.kind[i]
+        return TensorSpec(self.buffer[i], self.names[self.dtype[i]], self.shape[i], self.stride[i], self.offset[i],
+                          k & 15, bool(k >> 4))
+
+    @overload
+    def __getitem__(self, i: int) -> TensorSpec: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> List[TensorSpec]: ...
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._spec(j) for j in range(len(self))[i]]
+        return self._spec(range(len(self))[i])
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return (self._spec(i) for i in range(len(self)))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, SpecTable) and list(self) == list(other)
+
+    def __reduce__(self) -> Any:
+        ndim = [len(s) for s in self.shape]
+        dims = [d for s in self.shape for d in s]
+        strides = [d for s in self.stride for d in s]
+        cols = _ints(self.buffer + self.dtype + self.kind + self.offset + ndim)
+        return (_load_specs, (self.names, cols, _ints(dims), _ints(strides)))
+
+    def __repr__(self) -> str:
+        return f"SpecTable({len(self)} leaves, dtypes {list(self.names)})"
+
+    def rebuild(self, buffers: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> List[Any]:
+        """Every leaf as a view into its received buffer (no copy): one typed view per storage and dtype, then
+        one ``as_strided`` per leaf."""
+        dtypes = [getattr(torch, n) for n in self.names]
+        sizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+        bases = _Bases(buffers, dtypes, sizes)
+        out: List[Any] = []
+        for b, di, k, off, shape, stride in zip(self.buffer, self.dtype, self.kind, self.offset, self.shape,
+                                                self.stride):
+            if b < 0:
+                t = torch.empty(shape, dtype=dtypes[di], device=device or "cpu")
+            else:
+                view, base = bases.get(b, di)
+                t = view.as_strided(shape, stride, base + off)
+            kind = k & 15
+            if kind == KIND_TORCH:
+                out.append(t)
+            elif kind == KIND_NUMPY:
+                out.append(t.numpy())
+            elif kind == KIND_PARAMETER:
+                out.append(torch.nn.Parameter(t, requires_grad=bool(k >> 4)))
+            else:
+                import cupy
+
+                out.append(cupy.asarray(t))
+        return out
+
+
+class _Bases:
+    """Per (buffer, dtype): a typed view of the buffer's storage and where the buffer starts in it, in elements.
+    Buffers that are byte ranges of one block (BlockViews) share the block's typed view."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], dtypes: List[torch.dtype], sizes: List[int]) -> None:
+        self.buffers, self.dtypes, self.sizes = buffers, dtypes, sizes
+        self.block: Optional[torch.Tensor] = getattr(buffers, "block", None)
+        self.offsets: List[int] = getattr(buffers, "offsets", [])
+        self.hits: Dict[Tuple[int, int], Tuple[torch.Tensor, int]] = {}
+        self.whole: Dict[int, Optional[Tuple[torch.Tensor, int]]] = {}
+        self.typed: Dict[Tuple[int, Any, int], torch.Tensor] = {}
+
+    def get(self, b: int, di: int) -> Tuple[torch.Tensor, int]:
+        hit = self.hits.get((b, di))
+        if hit is not None:
+            return hit
+        es = self.sizes[di]
+        whole = self.whole.get(di)
+        if whole is None and self.block is not None and self.block.storage_offset() % es == 0:
+            whole = self.whole[di] = _typed_base(self.block, self.dtypes[di], es, di, self.typed)
+        if whole is not None:  # buffer offsets in a block are multiples of 64 bytes
+            hit = (whole[0], whole[1] + self.offsets[b] // es)
+        else:
+            hit = _typed_base(self.buffers[b], self.dtypes[di], es, di, self.typed)
+        self.hits[(b, di)] = hit
+        return hit
+
+
+def _typed_base(buf: torch.Tensor, dtype: torch.dtype, es: int, di: int,
+                typed: Dict[Tuple[int, Any, int], torch.Tensor]) -> Tuple[torch.Tensor, int]:
+    """A ``dtype`` view of ``buf``'s whole storage (shared by buffers of one block) and ``buf``'s start in it."""
+    base = buf.storage_offset()
+    if base % es:  # a mis-aligned buffer start: copy into an aligned one
+        buf = buf.clone()
+        base = 0
+    storage = buf.untyped_storage()
+    key = (storage.data_ptr(), buf.device, di)
+    view = typed.get(key)
+    if view is None:
+        view = typed[key] = torch.empty(0, dtype=dtype, device=buf.device)
+        view.set_(storage, 0, (storage.nbytes() // es,), (1,))
+    return view, base // es
+
+
+def _load_specs(names: Tuple[str, ...], cols: bytes, dims: bytes, strides: bytes) -> SpecTable:
+    c = _unints(cols)
+    n = len(c) // 5
+    ndim = c[4 * n:]
+    ends = list(accumulate(ndim))
+    d, s = _unints(dims), _unints(strides)
+    shape = [tuple(d[e - k:e]) for e, k in zip(ends, ndim)]
+    stride = [tuple(s[e - k:e]) for e, k in zip(ends, ndim)]
+    return SpecTable(names, c[:n], c[n:2 * n], c[2 * n:3 * n], c[3 * n:4 * n], shape, stride)
