@@ -43,6 +43,15 @@ class Flattened:
             self._buffers = out
         return self._buffers
 
+    def view(self, i: int) -> torch.Tensor:
+        """Buffer ``i`` alone (without making every buffer's view)."""
+        if self._buffers is not None:
+            return self._buffers[i]
+        owner, lo, hi = self._spans[i]
+        buf = torch.empty(0, dtype=torch.uint8, device=owner.device)
+        buf.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
+        return buf
+
     @buffers.setter
     def buffers(self, value: List[torch.Tensor]) -> None:
         self._buffers = list(value)

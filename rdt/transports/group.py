@@ -13,7 +13,7 @@ import logging
 import struct
 import time
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,14 +21,57 @@ from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, GroupDestroyedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from .. import _control
+from .. import _cma, _control
 from .._meta import GroupRef, ObjectMeta
 from .._ready import wait_ready
 from .._peer import control_request, died, err, producer_alive
 from ..errors import NoCollectiveGroupError, ObjectFetchError
-from .base import Capabilities, Fetched, Served, Site, Transport, Unusable, landing
+from .base import ALIGN, Capabilities, Fetched, Served, Site, Transport, Unusable, block_views, landing
 
 logger = logging.getLogger("rdt")
+
+PACK_BELOW = 256 << 10  # CPU buffers smaller than this travel packed with their neighbours ...
+PACK_MAX = 4 << 20  # ... in messages of at most this many bytes: one message per run, not one per tensor
+
+
+def messages(sizes: List[int]) -> List[Tuple[int, int]]:
+    """How a packed fetch splits an object's buffers into messages: (first, last) buffer of each, runs of small
+    buffers together (laid out as in one landing block, see ``padded_offsets``), each large buffer alone. Both
+    sides compute it from the metadata, so no byte of framing travels."""
+    out: List[Tuple[int, int]] = []
+    i, n = 0, len(sizes)
+    while i < n:
+        j, total = i, 0
+        while j < n and sizes[j] < PACK_BELOW and total + sizes[j] <= PACK_MAX:
+            total += -(-sizes[j] // ALIGN) * ALIGN
+            j += 1
+        if j == i:  # a large buffer
+            j = i + 1
+        out.append((i, j - 1))
+        i = j
+    return out
+
+
+def _packed_sends(flat: Any) -> List[torch.Tensor]:
+    """One tensor per message of :func:`messages`: a large buffer itself, or a run of small CPU buffers copied
+    into one staging tensor, each at the offset it has in the consumer's landing block (one memmove per buffer
+    from its address: no tensor object per buffer)."""
+    sizes = flat.table.sizes
+    ranges = flat.ranges
+    out: List[torch.Tensor] = []
+    for first, last in messages(sizes):
+        if first == last:
+            out.append(flat.view(first))
+            continue
+        at, offsets = 0, []
+        for k in range(first, last + 1):
+            offsets.append(at)
+            at += -(-sizes[k] // ALIGN) * ALIGN
+        staging = torch.zeros(offsets[-1] + sizes[last], dtype=torch.uint8)
+        base = staging.data_ptr()
+        _cma.gather([(base + o, addr, n) for (addr, n), o in zip(ranges[first:last + 1], offsets)])
+        out.append(staging)
+    return out
 
 
 def common_group(meta: ObjectMeta, backend: str) -> Optional[Tuple[Any, GroupRef]]:
@@ -83,13 +126,13 @@ class UcxTransport(_GroupTransport):
 
 # ------------------------------------------------------------------------------------------------ producer
 def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
-    if len(payload) != 44:
+    if len(payload) != 45:
         return err(_control.ERR_BAD_REQUEST, "malformed fetch request")
     entry = ctx.table.get(payload[:16])
     if entry is None:
         return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
     uid = payload[16:32].hex()
-    rank, tag_base, wait_ms = struct.unpack("!III", payload[32:44])
+    rank, tag_base, wait_ms, packed = struct.unpack("!IIIB", payload[32:45])
     group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
     if group is None:
         return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
@@ -100,15 +143,18 @@ def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
     # Wait exactly as long as the consumer does (its time left, relative): a shorter wait would kill a transfer the
     # consumer still waits for, a longer one would hold the buffers after it gave up.
     deadline = time.monotonic() + wait_ms / 1000.0
+    n = len(entry.flat.table)
+    if packed and entry.flat.table.device_types == {"cpu"}:
+        sends = _packed_sends(entry.flat)
+    else:
+        sends = list(entry.buffers)
     if _control.waits_for_go(group.backend_name, entry.nbytes):
-        go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
-                                 make_tag(TAG_OBJECT, tag_base + len(entry.buffers)))
-        ctx.send_waiters.submit(_send_after_go, go, group, entry.buffers, rank, tag_base, deadline, entry.obj_id)
+        go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank, make_tag(TAG_OBJECT, tag_base + n))
+        ctx.send_waiters.submit(_send_after_go, go, group, sends, rank, tag_base, deadline, entry.obj_id)
         return _control.RESP_OK, b""
-    works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i))
-             for i, buf in enumerate(entry.buffers)]
+    works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(sends)]
     # Posted sends move without a waiter (the backend progresses them); a queued wait only learns the outcome.
-    ctx.send_waiters.submit(_finish_sends, works, group, entry.buffers, deadline, entry.obj_id, rank)
+    ctx.send_waiters.submit(_finish_sends, works, group, sends, deadline, entry.obj_id, rank)
     return _control.RESP_OK, b""
 
 
@@ -155,19 +201,27 @@ def _send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> 
 
 # ------------------------------------------------------------------------------------------------ consumer
 def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
-                           deadline: float) -> List[torch.Tensor]:
+                 deadline: float) -> Sequence[torch.Tensor]:
     n = len(meta.buffers)
     tag_base = ctx.next_tags(group.uid, n + 1)  # one per buffer, and one for the "receives posted" message
     # The producer waits as long as we do: our time left, as relative milliseconds (clocks differ across hosts).
     wait_ms = min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
-    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!III", group.rank, tag_base, wait_ms)
+    device = site.cuda_device if site.cuda_device is not None and "cuda" in meta.buffers.device_types \
+        else torch.device("cpu")
+    sizes = meta.buffers.sizes
+    # Without targets, CPU buffers land in one block and small ones travel packed (one message per run).
+    packed = not site.into and len(sizes) > 1 and meta.buffers.device_types == {"cpu"}
+    payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!IIIB", group.rank, tag_base, wait_ms, packed)
     control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                     payload, max(deadline - time.monotonic(), 1e-3))
-    device = site.cuda_device if site.cuda_device is not None and any(
-        b.device.startswith("cuda") for b in meta.buffers) else torch.device("cpu")
-    bufs = [landing(ctx, site, i, b.nbytes, device) for i, b in enumerate(meta.buffers)]
+    bufs: Any
+    if packed:
+        bufs = block_views(ctx, sizes, device)
+        recvs = [bufs.span(a, b) for a, b in messages(sizes)]
+    else:
+        bufs = recvs = [landing(ctx, site, i, nb, device) for i, nb in enumerate(sizes)]
     try:
-        works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(bufs)]
+        works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(recvs)]
         if _control.waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
             works.append(group.backend.isend(torch.ones(1, dtype=torch.uint8), ref.rank,
                                              make_tag(TAG_OBJECT, tag_base + n)))

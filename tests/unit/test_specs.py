@@ -40,3 +40,31 @@ def test_rebuild_from_one_block_and_from_separate_buffers():
         owners = {block.block.untyped_storage().data_ptr()} if landing is block else \
             {b.untyped_storage().data_ptr() for b in separate}
         assert storages <= owners  # views of what was received: nothing copied
+
+
+def test_packed_messages_cover_every_buffer_once_in_order():
+    from rdt.transports.group import PACK_BELOW, PACK_MAX, messages
+
+    sizes = [4096] * 1500 + [PACK_BELOW, 10, 3, 1 << 24, 7] + [PACK_BELOW - 1] * 40
+    plan = messages(sizes)
+    covered = [i for a, b in plan for i in range(a, b + 1)]
+    assert covered == list(range(len(sizes)))
+    for a, b in plan:
+        if a != b:
+            assert all(sizes[i] < PACK_BELOW for i in range(a, b + 1))
+            assert sum(-(-sizes[i] // 64) * 64 for i in range(a, b)) + sizes[b] <= PACK_MAX
+    assert (1505, 1505) in plan or any(a <= 1504 <= b for a, b in plan)
+    assert len(plan) < len(sizes) // 50  # a thousand small tensors travel in a few messages
+
+
+def test_gather_copies_many_ranges_within_the_process():
+    from rdt._cma import gather
+
+    src = [torch.arange(i + 1, dtype=torch.uint8) for i in range(3000)]
+    dst = torch.zeros(sum(t.numel() for t in src), dtype=torch.uint8)
+    parts, at = [], 0
+    for t in src:
+        parts.append((dst.data_ptr() + at, t.data_ptr(), t.numel()))
+        at += t.numel()
+    gather(parts)
+    assert torch.equal(dst, torch.cat(src))
