@@ -375,6 +375,8 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
           timeout: float, dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
     """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
+    if not dests and len(info.descs) > 1 and set(info.mem_types) == {"DRAM"}:
+        return _read_block(ctx, ag, info, timeout)
     dst: List[torch.Tensor] = []
     for i, ((_, n, _), t) in enumerate(zip(info.descs, info.mem_types)):
         on = device if t == "VRAM" and device.type == "cuda" else torch.device("cpu")
@@ -386,14 +388,46 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
     local_types = [mem_type_of(d) for d in dst]
     regs: List[Any] = []
-    handles: List[Any] = []
     try:
         with ag.lock:
             for _, idx in group_by_mem_type(local_types):
                 regs.append(ag.agent.register_memory([dst[i] for i in idx]))
-            for (_, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types))):
-                local = ag.agent.get_xfer_descs([dst[i] for i in idx])
-                remote = ag.agent.get_xfer_descs([info.descs[i] for i in idx], remote_type)
+    except BaseException:
+        with ag.lock:
+            _release_all(ag.agent, [], regs)
+        raise
+    plan = [([dst[i] for i in idx], [info.descs[i] for i in idx], local_type, remote_type)
+            for (local_type, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types)))]
+    _transfer(ag, info, plan, regs, dst, timeout)
+    return dst
+
+
+def _read_block(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, timeout: float) -> Any:
+    """The READ of an object of many DRAM buffers into one fresh block: one registration and no tensor per
+    buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
+    from .transports.base import block_views
+
+    views = block_views(ctx, [n for _, n, _ in info.descs])
+    base = views.block.data_ptr()
+    with ag.lock:
+        regs = [ag.agent.register_memory([views.block])]
+    local = [(base + o, n, 0) for o, (_, n, _) in zip(views.offsets, info.descs)]
+    _transfer(ag, info, [(local, list(info.descs), "DRAM", "DRAM")], regs, [views.block], timeout)
+    return views
+
+
+def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str]], regs: List[Any],
+              keep: List[torch.Tensor], timeout: float) -> None:
+    """Post one READ per (local, remote) memory-type pair of ``plan`` and wait for all (``regs``: the local
+    registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out)."""
+    handles: List[Any] = []
+    try:
+        with ag.lock:
+            for local_descs, remote_descs, local_type, remote_type in plan:
+                by_address = isinstance(local_descs[0], tuple)  # (address, bytes, device) rather than tensors
+                local = ag.agent.get_xfer_descs(local_descs, local_type) if by_address \
+                    else ag.agent.get_xfer_descs(local_descs)
+                remote = ag.agent.get_xfer_descs(remote_descs, remote_type)
                 handles.append(ag.agent.initialize_xfer("READ", local, remote, info.agent))
             states = [ag.agent.transfer(h) for h in handles]
         deadline = time.monotonic() + timeout
@@ -401,7 +435,7 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
         while "PROC" in states:
             if time.monotonic() > deadline:
                 with ag.lock:  # may still complete later: keep its memory until it does
-                    ag.parked.append((handles, regs, dst, info.agent))
+                    ag.parked.append((handles, regs, keep, info.agent))
                 handles, regs = [], []
                 raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
             time.sleep(delay)
@@ -415,7 +449,6 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
         if handles or regs:
             with ag.lock:
                 _release_all(ag.agent, handles, regs)
-    return dst
 
 
 def _release_all(nixl_agent: Any, handles: List[Any], regs: List[Any]) -> None:
