@@ -106,5 +106,6 @@ def unregister_transport(name: str) -> Optional[Transport]:
         return _user.pop(name, None)
 
 
-__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Transport", "Unusable", "auto_chain", "device_types", "landing",
-           "fallback", "get", "loaded", "names", "register_transport", "self_contained", "unregister_transport"]
+__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Transport", "Unusable",
+           "auto_chain", "device_types", "landing", "fallback", "get", "loaded", "names", "register_transport",
+           "self_contained", "unregister_transport"]
