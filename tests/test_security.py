@@ -571,7 +571,7 @@ def test_group_secrets_distinct_and_not_in_metadata(pair) -> None:
             assert s1 not in blob and s2 not in blob  # object metadata names groups by uid only
         # the control channel's group key: a fetch request for group sec-1 must be MACed with its secret
         address, _, rejected0 = ray.get(a.__ray_call__.remote(_actor_control), timeout=60)
-        payload = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!III", 1, 0, 1000)
+        payload = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!IIIB", 1, 0, 1000, 0)  # rank, tags, ms, packed
         assert send_raw(address, frame(_control.REQ_FETCH_GROUP, _control.KEY_GROUP, s2, payload)) == b""
         assert wait_for(lambda: ray.get(a.__ray_call__.remote(_actor_control), timeout=30)[2] == rejected0 + 1,
                         timeout=20)
