@@ -263,12 +263,7 @@ def big_broadcast(name: str, root: int, timeout: float) -> Tuple[int, bool, int]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("backend", [
-    pytest.param("gloo", marks=pytest.mark.xfail(
-        strict=True, reason="issue 15: 'auto' runs Gloo's native broadcast for large tensors, a tree in which "
-                            "the root sends the tensor log2(n) times")),
-    "nixl", "ucx", "tcp",
-])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_large_broadcast_root_sends_each_byte_once(groups: Groups, backend: str, world_size: int) -> None:
     """Every rank gets the root's bits; the root's link carries the tensor about once, not n-1 times (issue 15)."""
     name = groups.get(backend, world_size)
