@@ -284,7 +284,8 @@ class CollectiveGroup:
     def _algorithm(self, op: str, algorithm: str, nbytes: int) -> str:
         native = self.backend.native()
         if algorithm == "auto":
-            if native is not None and op in self.backend.capabilities.native_collectives:
+            if (native is not None and op in self.backend.capabilities.native_collectives
+                    and not algorithms.prefers_p2p(op, nbytes)):
                 return "native"
             return algorithms.choose(op, nbytes, self.world_size, self.backend_name)
         if algorithm == "native":

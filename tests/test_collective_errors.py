@@ -449,6 +449,8 @@ def survivors(ray_cluster):
 def blocked_call(name: str, op: str, timeout: float) -> None:
     if op == "recv":
         rt.recv(torch.zeros(4), 1, name, timeout=timeout)
+    elif op == "broadcast":  # the pipelined chain from the victim (root 1), which never sends a chunk
+        rt.broadcast(torch.zeros(1 << 20), 1, name, algorithm="ring", timeout=timeout)
     else:
         rt.allreduce(torch.ones(4), name, timeout=timeout)
 
@@ -458,6 +460,7 @@ def blocked_call(name: str, op: str, timeout: float) -> None:
     ("nixl", "recv"), ("nixl", "allreduce"),
     ("ucx", "recv"), ("ucx", "allreduce"),
     ("tcp", "recv"), ("tcp", "allreduce"),
+    ("gloo", "broadcast"), ("nixl", "broadcast"), ("ucx", "broadcast"), ("tcp", "broadcast"),
 ])
 def test_killed_peer(survivors, backend: str, op: str) -> None:
     _require(backend)

@@ -228,3 +228,56 @@ def test_leave_group_and_join_another_with_other_peers(groups: Groups, backend: 
     # worker 1 is in no incarnation of it any more
     err, value, _ = ray.get(w[1].call.remote(rt.is_group_initialized, name))
     assert err is None and value is False
+
+
+# ---------------------------------------------------------------------------------------------- large broadcast
+# Large enough for the pipelined chain ('auto' above the size threshold), and an odd number of elements so that
+# no chunk size divides it.
+BIG_NUMEL = 1_500_001  # int32: 6,000,004 bytes
+
+
+def big_broadcast(name: str, root: int, timeout: float) -> Tuple[int, bool, int]:
+    """(worker side) broadcast a large odd-sized tensor with 'auto'; return (rank, bit-exact?, bytes this rank sent).
+
+    Bytes are counted by wrapping this group's backend ``isend`` for the one call (data still moves for real).
+    """
+    import torch
+
+    backend = rt.get_group(name).backend
+    sent = [0]
+    real_isend = backend.isend
+
+    def counting_isend(tensor: Any, peer: int, tag: int) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real_isend(tensor, peer, tag)
+
+    backend.isend = counting_isend  # type: ignore[method-assign]
+    try:
+        rank = rt.get_rank(name)
+        want = torch.arange(BIG_NUMEL, dtype=torch.int32) * 7 + 3
+        t = want.clone() if rank == root else torch.zeros(BIG_NUMEL, dtype=torch.int32)
+        rt.broadcast(t, root, name, timeout=timeout)
+        return rank, bool(torch.equal(t, want)), sent[0]
+    finally:
+        del backend.isend  # the class's method again
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_broadcast_root_sends_each_byte_once(groups: Groups, backend: str, world_size: int) -> None:
+    """Every rank gets the root's bits; the root's link carries the tensor about once, not n-1 times (issue 15)."""
+    name = groups.get(backend, world_size)
+    root = world_size - 1
+    nbytes = BIG_NUMEL * 4
+    replies = cc.call_all(groups.workers[:world_size], big_broadcast, [name] * world_size, [root] * world_size,
+                          [CALL_TIMEOUT] * world_size)
+    for w, (err, _, _) in enumerate(replies):
+        if err is not None:
+            groups.broken.add((backend, world_size))
+        assert err is None, f"worker {w}: {err!r}"
+    by_rank = {rank: (ok, sent) for rank, ok, sent in (v for _, v, _ in replies)}
+    assert all(ok for ok, _ in by_rank.values()), f"{name}: not bit-exact on {by_rank}"
+    root_sent = by_rank[root][1]
+    assert nbytes <= root_sent <= 1.05 * nbytes, f"{name}: root sent {root_sent} B for a {nbytes} B tensor"
+    total = sum(sent for _, sent in by_rank.values())
+    assert total <= 1.05 * (world_size - 1) * nbytes, f"{name}: {total} B sent in all"

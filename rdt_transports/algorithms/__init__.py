@@ -36,7 +36,7 @@ class P2P(abc.ABC):
     def wait(self, *works: Work) -> None: ...
 
 
-from ._impl import ALGORITHMS, choose, run  # noqa: E402
+from ._impl import ALGORITHMS, choose, prefers_p2p, run  # noqa: E402
 
 
 def algorithms_for(op: str) -> Tuple[str, ...]:
@@ -44,4 +44,4 @@ def algorithms_for(op: str) -> Tuple[str, ...]:
     return ALGORITHMS.get(op, ())
 
 
-__all__ = ["P2P", "run", "choose", "algorithms_for", "ALGORITHMS"]
+__all__ = ["P2P", "run", "choose", "prefers_p2p", "algorithms_for", "ALGORITHMS"]

@@ -66,6 +66,10 @@ ALLGATHER_SMALL_BYTES = 64 * 1024  # below: bde (Bruck); above: ring
 REDUCESCATTER_SMALL_BYTES = 64 * 1024  # below: bde (recursive halving); above: ring
 ALLTOALL_SMALL_BYTES = 32 * 1024  # below: bde (Bruck, log2 n rounds); above: ring (pairwise, 1x data)
 SMALL_WORLD = 2  # with two ranks every algorithm is one exchange; the simplest wins
+# At and above this size a broadcast runs the pipelined chain even where the backend has a native one: native
+# broadcasts (Gloo's) are trees in which the root sends the whole tensor log2(n) times; on the chain the root's
+# link carries it once and every rank forwards chunk k while chunk k+1 arrives (issue 15).
+BROADCAST_PIPELINE_BYTES = 1 << 20
 
 _SIZE_RULES: Mapping[str, Tuple[int, str, str]] = MappingProxyType({
     "allreduce": (ALLREDUCE_SMALL_BYTES, "bde", "ring"),
@@ -92,6 +96,11 @@ def choose(op: str, nbytes: int, world_size: int, backend_name: str) -> str:
     if world_size <= SMALL_WORLD:
         return latency_algo
     return latency_algo if nbytes < small else bandwidth_algo
+
+
+def prefers_p2p(op: str, nbytes: int) -> bool:
+    """Whether 'auto' runs a p2p algorithm for ``op`` even on a backend with a native one (large broadcasts)."""
+    return op == "broadcast" and nbytes >= BROADCAST_PIPELINE_BYTES
 
 
 def run(op: str, algorithm: str, p2p: "P2P", /, **kwargs: Any) -> None:

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 # Pipeline chunk for chained broadcast/reduce. From benchmarks/ measurements (to be tuned): big enough to
 # amortise per-message overhead, small enough that the chain fills quickly.
 PIPELINE_CHUNK_BYTES = 256 * 1024
+# Broadcast chunks are larger: nothing is reduced per chunk, and 1 MiB keeps per-message costs small on TCP.
+BROADCAST_CHUNK_BYTES = 1 << 20
 MAX_PIPELINE_CHUNKS = 256  # keeps the step numbers (one per chunk) far below the 16384 limit
 
 
@@ -54,7 +56,7 @@ def _ring_peers(p2p: "P2P") -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------- rooted (chain)
-def broadcast(p2p: "P2P", tensor: torch.Tensor, root: int, chunk_bytes: int = PIPELINE_CHUNK_BYTES) -> None:
+def broadcast(p2p: "P2P", tensor: torch.Tensor, root: int, chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Pipelined chain broadcast: chunk k leaves rank v for rank v+1 as soon as it arrived from v-1."""
     n, vr = p2p.world_size, to_virtual(p2p.rank, root, p2p.world_size)
     buf = flat(tensor)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rdt_transports import algorithms
-from rdt_transports.algorithms import _bde, _ring
+from rdt_transports.algorithms import _bde, _impl, _ring
 from rdt_transports.errors import InvalidArgumentError
 from rdt_transports.types import ReduceOp
 
@@ -341,6 +341,14 @@ def test_choose_returns_a_listed_algorithm(op: str, ws: int, nbytes: int) -> Non
 def test_choose_small_vs_large_allreduce() -> None:
     assert algorithms.choose("allreduce", 1024, 8, "ucx") == "bde"
     assert algorithms.choose("allreduce", 64 << 20, 8, "ucx") == "ring"
+
+
+def test_large_broadcast_prefers_the_pipelined_chain() -> None:
+    """Large broadcasts leave native trees for the chain (root sends once); small ones and other ops do not."""
+    big = _impl.BROADCAST_PIPELINE_BYTES
+    assert algorithms.prefers_p2p("broadcast", big) and not algorithms.prefers_p2p("broadcast", big - 1)
+    assert not algorithms.prefers_p2p("allreduce", 1 << 30)
+    assert algorithms.choose("broadcast", big, 4, "gloo") == "ring"
 
 
 @functools.lru_cache(maxsize=None)
