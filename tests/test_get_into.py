@@ -39,6 +39,7 @@ class GateTransport(Transport):
     expected = 0
     started = 0
     finished = 0
+    patience = 10.0  # seconds a fetch waits for the others to start
     _cv = threading.Condition()
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[_GateDesc]:
@@ -49,7 +50,7 @@ class GateTransport(Transport):
         with cls._cv:
             cls.started += 1
             cls._cv.notify_all()
-            if not cls._cv.wait_for(lambda: cls.started >= cls.expected, timeout=10.0):
+            if not cls._cv.wait_for(lambda: cls.started >= cls.expected, timeout=cls.patience):
                 raise TimeoutError(f"only {cls.started} of {cls.expected} fetches started")
             early = cls.finished
             cls.finished += 1
@@ -176,6 +177,23 @@ class Consumer:
         return {"ok": all(v["layer.0.weight"] is t["layer.0.weight"] and float(t["layer.0.weight"][0]) == i
                           for i, (v, t) in enumerate(zip(values, targets))), "started": GateTransport.started}
 
+    def arm_gate(self, n: int, patience: float) -> None:
+        _arm_gate(n, patience)
+
+    def take_args(self, a: Any, b: Any, c: Any, d: Any) -> Dict[str, Any]:
+        return {"fills": [float(v["layer.0.weight"][0]) for v in (a, b, c, d)], "started": GateTransport.started}
+
+    def take_list(self, refs: List[Any], n: int, patience: float) -> Dict[str, Any]:
+        _arm_gate(n, patience)
+        values = ray.get(list(refs), timeout=60)
+        return {"fills": [float(v["layer.0.weight"][0]) for v in values], "started": GateTransport.started}
+
+
+def _arm_gate(n: int, patience: float) -> None:
+    with GateTransport._cv:
+        GateTransport.expected, GateTransport.patience = n, patience
+        GateTransport.started = GateTransport.finished = 0
+
 
 @ray.remote
 class AsyncConsumer:
@@ -280,6 +298,38 @@ def test_several_refs_start_before_any_is_waited_on(actors) -> None:
     refs = [p.gate.remote(float(i)) for i in range(4)]
     out = ray.get(c.load_many.remote(refs, 4), timeout=120)
     assert out == {"ok": True, "started": 4}, out
+
+
+MANY_REFS = pytest.mark.xfail(strict=True, reason="Ray deserializes the refs of one ray.get / task's arguments "
+                               "one after another; rdt does not start their fetches together yet")
+
+
+@MANY_REFS
+def test_ray_get_of_several_refs_starts_all_on_the_driver(actors) -> None:
+    p, _c = actors
+    refs = [p.gate.remote(float(i)) for i in range(4)]
+    ray.wait(refs, num_returns=4, timeout=60)
+    _arm_gate(4, 3.0)
+    values = ray.get(refs, timeout=120)
+    assert [float(v["layer.0.weight"][0]) for v in values] == [0.0, 1.0, 2.0, 3.0]
+    assert GateTransport.started == 4
+
+
+@MANY_REFS
+def test_several_ref_arguments_start_before_any_is_waited_on(actors) -> None:
+    p, c = actors
+    refs = [p.gate.remote(float(i)) for i in range(4)]
+    ray.get(c.arm_gate.remote(4, 3.0), timeout=60)
+    out = ray.get(c.take_args.remote(*refs), timeout=120)
+    assert out == {"fills": [0.0, 1.0, 2.0, 3.0], "started": 4}, out
+
+
+@MANY_REFS
+def test_ray_get_of_a_list_argument_starts_all_in_an_actor(actors) -> None:
+    p, c = actors
+    refs = [p.gate.remote(float(i)) for i in range(4)]
+    out = ray.get(c.take_list.remote(refs, 4, 3.0), timeout=120)
+    assert out == {"fills": [0.0, 1.0, 2.0, 3.0], "started": 4}, out
 
 
 def test_wait_tensor_freed(actors) -> None:
