@@ -180,6 +180,27 @@ class Consumer:
         return {"ok": all(v["layer.0.weight"] is t["layer.0.weight"] and float(t["layer.0.weight"][0]) == i
                           for i, (v, t) in enumerate(zip(values, targets))), "started": GateTransport.started}
 
+    def nixl_targets(self) -> Dict[str, int]:
+        """The NIXL target registrations this process made and still holds (rdt.get(into=...) over NIXL)."""
+        import gc
+
+        from rdt._context import get_context
+        from rdt._nixl_objects import agent
+
+        gc.collect()
+        t = agent(get_context()).targets
+        return {"made": t.made, "live": len(t)}
+
+    def load_other(self, refs: List[Any], fill: float) -> bool:
+        """rdt.get into a second set of parameters (made on first use, dropped by drop_other)."""
+        if not hasattr(self, "other"):
+            self.other = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+        value = rdt.get(refs[0], into=self.other, timeout=60)
+        return value["layer.0.weight"] is self.other["layer.0.weight"] and float(self.other["layer.0.weight"][0]) == fill
+
+    def drop_other(self) -> None:
+        del self.other
+
     def arm_gate(self, n: int, patience: float) -> None:
         _arm_gate(n, patience)
 
@@ -345,6 +366,21 @@ def test_ray_get_of_a_list_argument_starts_all_in_an_actor(actors) -> None:
     refs = [p.gate.remote(float(i)) for i in range(4)]
     out = ray.get(c.take_list.remote(refs, 4, 3.0), timeout=120)
     assert out == {"fills": [0.0, 1.0, 2.0, 3.0], "started": 4}, out
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
+def test_nixl_registers_into_targets_once_per_storage(actors) -> None:
+    """Repeated rdt.get(into=params) over NIXL registers each target storage once; deleting the params drains."""
+    p, c = actors
+    before = ray.get(c.nixl_targets.remote(), timeout=60)
+    for i in range(4):
+        assert ray.get(c.load_other.remote([p.nixl.remote(float(i))], float(i)), timeout=60)
+    during = ray.get(c.nixl_targets.remote(), timeout=60)
+    assert during["made"] - before["made"] == 3, (before, during)  # three target storages, four fetches
+    assert during["live"] - before["live"] == 3, (before, during)
+    ray.get(c.drop_other.remote(), timeout=60)
+    after = ray.get(c.nixl_targets.remote(), timeout=60)
+    assert after == {"made": during["made"], "live": before["live"]}, (before, during, after)
 
 
 def test_wait_tensor_freed(actors) -> None:
