@@ -28,8 +28,13 @@ from .transports import Fetched, SetupFailed, Site, Transport
 
 logger = logging.getLogger("rdt")
 
-def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None) -> Any:
-    """Rebuild the value ``meta`` stands for in this process (``timeout``: an explicit rdt.get's time left)."""
+_HERE: Any = object()  # resolve's task default: the task running in this thread
+
+
+def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None, task: Any = _HERE,
+            task_argument: Optional[bool] = None) -> Any:
+    """Rebuild the value ``meta`` stands for in this process (``timeout``: an explicit rdt.get's time left;
+    ``task``/``task_argument``: given when a helper thread fetches for the thread Ray deserializes in)."""
     if ctx.is_me(meta.producer):
         entry = ctx.table.get(meta.obj_id)
         if entry is not None:
@@ -40,7 +45,8 @@ def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None) -> A
             return unflatten(meta.skeleton, leaves)
         if not carried:
             raise freed(meta, "was already freed in its producer")
-    task = task_id()
+    if task is _HERE:
+        task = task_id()
     key = (task, meta.obj_id)
     if task is not None:
         cached = ctx.fetch_cache.get(key)
@@ -49,7 +55,7 @@ def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None) -> A
             if all(x is not None for x in leaves):
                 return unflatten(meta.skeleton, leaves)
     start = time.monotonic()
-    fetched, name = fetch(ctx, meta, timeout=timeout)
+    fetched, name = fetch(ctx, meta, timeout=timeout, task_argument=task_argument)
     elapsed = time.monotonic() - start
     ctx.stats.add(name, "in", meta.nbytes, elapsed, path=fetched.label)
     logger.debug("rdt: fetched object=%s producer=%s path=%s bytes=%d in %.4fs", meta.id_hex,
@@ -141,7 +147,7 @@ def _unfit(ctx: Any, t: Transport, meta: ObjectMeta, site: Site,
 
 
 def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...] = (),
-          timeout: Optional[float] = None) -> Tuple[Fetched, str]:
+          timeout: Optional[float] = None, task_argument: Optional[bool] = None) -> Tuple[Fetched, str]:
     """The object's buffers in this process, and the name of the transport that served them."""
     carrier = _self_contained(meta)
     if carrier is not None:
@@ -150,7 +156,7 @@ def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...
     timeout = min(timeout, meta.timeout or ctx.config.transfer_timeout) if timeout is not None \
         else meta.timeout or ctx.config.transfer_timeout
     deadline = time.monotonic() + timeout
-    site = site_for(meta, task_argument=False, into=into) if explicit else site_for(meta)
+    site = site_for(meta, task_argument=False, into=into) if explicit else site_for(meta, task_argument=task_argument)
     chain = candidates(meta, site, ctx)
     for i, t in enumerate(chain):
         try:

@@ -130,6 +130,7 @@ class RdtContext:
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
         self.fetch_cache: Dict[Any, Any] = {}
         self.deferring = threading.local()  # .on: ray.get in this thread returns ObjectMeta unresolved (rdt.get)
+        self.batching = threading.local()  # .batch: Ray deserializes several objects here; fetches start at once
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
         self.cma = _cma.CmaReader()
@@ -291,9 +292,10 @@ class RdtContext:
         """Keep ``value``'s tensors here and return the metadata that stands for it (see ``_producer``)."""
         return _producer.produce(self, value, transport, snapshot=snapshot, timeout=timeout, ipc_map=ipc_map)
 
-    def resolve(self, meta: ObjectMeta) -> Any:
-        """Rebuild the value ``meta`` stands for in this process (see ``_consumer``)."""
-        return _consumer.resolve(self, meta)
+    def resolve(self, meta: ObjectMeta, **where: Any) -> Any:
+        """Rebuild the value ``meta`` stands for in this process (see ``_consumer``; ``where``: task and
+        task_argument when another thread fetches for the deserializing one)."""
+        return _consumer.resolve(self, meta, **where)
 
     def transport_state(self, name: str, factory: Callable[[], Any]) -> Any:
         """Process-wide state a transport keeps (a registration or share cache), made on first use; it lives as

@@ -82,14 +82,23 @@ def _rebuild(state: dict) -> Any:
     """Runs in the receiving process during deserialization: fetch the tensors and rebuild the value."""
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", state)
-    from .errors import RdtError
     from .transports.base import context
 
     ctx = context()
     if getattr(ctx.deferring, "on", False):  # rdt.get asked Ray for the metadata itself (it fetches afterwards)
         return meta
+    batch = getattr(getattr(ctx, "batching", None), "batch", None)
+    if batch is not None:  # one of several objects Ray deserializes at once: start now, wait after (_batch)
+        return batch.defer(ctx, meta)
+    return resolve_or_error(ctx, meta)
+
+
+def resolve_or_error(ctx: Any, meta: ObjectMeta, **where: Any) -> Any:
+    """The value ``meta`` stands for, or (for rdt's typed errors) a RayTaskError value Ray raises as such."""
+    from .errors import RdtError
+
     try:
-        return ctx.resolve(meta)
+        return ctx.resolve(meta, **where)
     except RdtError as err:
         import logging
 

@@ -23,6 +23,7 @@ from rdt_transports import _lifecycle
 
 from ._ready import wait_ready
 from .transports.base import SetupFailed
+from ._nixl_targets import TargetRegistrations
 from ._storage_cache import StorageCache
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class NixlAgent:
         # memory).
         self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
         self.registrations: StorageCache[RegKey, Any] = StorageCache(self._register_storage, self._deregister)
+        self.targets = TargetRegistrations(self, storage_key)  # consumer side: rdt.get(into=...) targets, per storage
         self._stop = threading.Event()
         self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
 
@@ -171,6 +173,7 @@ class NixlAgent:
                     self.agent.get_new_notifs()
                     if self.parked:
                         self._reap_parked()
+                    self.targets.drain()
             except Exception:  # agent torn down at exit
                 return
 
@@ -378,11 +381,13 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
     if not dests and len(info.descs) > 1 and set(info.mem_types) == {"DRAM"}:
         return _read_block(ctx, ag, info, timeout)
     dst: List[torch.Tensor] = []
+    targets: List[int] = []  # the caller's tensors: registered once per storage, across fetches
     for i, ((_, n, _), t) in enumerate(zip(info.descs, info.mem_types)):
         on = device if t == "VRAM" and device.type == "cuda" else torch.device("cpu")
         given = dests[i] if i < len(dests) else None  # rdt.get(into=...): READ straight into the caller's target
         if given is not None and given.numel() == n and given.device.type == on.type:
             dst.append(given)
+            targets.append(i)
         else:
             dst.append(torch.empty(n, dtype=torch.uint8, device=on) if on.type == "cuda" else ctx.buffers.empty(n))
     _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
@@ -390,8 +395,11 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
     regs: List[Any] = []
     try:
         with ag.lock:
+            covered = set(i for i, ok in zip(targets, ag.targets.cover([dst[i] for i in targets])) if ok)
             for _, idx in group_by_mem_type(local_types):
-                regs.append(ag.agent.register_memory([dst[i] for i in idx]))
+                idx = [i for i in idx if i not in covered]
+                if idx:
+                    regs.append(ag.agent.register_memory([dst[i] for i in idx]))
     except BaseException:
         with ag.lock:
             _release_all(ag.agent, [], regs)

@@ -27,6 +27,8 @@ HOOKS: Tuple[Tuple[str, str, str], ...] = (
     ("ray.experimental.internal_kv", "_internal_kv_del", "group rendezvous in the GCS"),
     ("ray.experimental.internal_kv", "_internal_kv_list", "group rendezvous in the GCS"),
     ("ray._private.state", "actors", "naming a dead peer actor in errors"),
+    ("ray._private.worker", "Worker.deserialize_objects",
+     "starting the fetches of every rdt object of one ray.get / task's arguments before waiting on any"),
     ("ray.actor", "_modify_class", "__ray_call__ on every actor (stats, group set-up, object-store fallback)"),
 )
 
@@ -79,6 +81,13 @@ def check() -> None:
 def add_out_of_scope_callback(token: Any, callback: Callable[[Any], None]) -> bool:
     """Call ``callback`` once every reference to ObjectRef ``token`` is gone; False if Ray refused."""
     return bool(ray._private.worker.global_worker.core_worker.add_object_out_of_scope_callback(token, callback))
+
+
+def wrap_deserialize_objects(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``Worker.deserialize_objects`` by ``wrap(original)``, once per process (rdt/_batch.py)."""
+    worker_cls = _lookup("ray._private.worker", "Worker")
+    if not getattr(worker_cls.deserialize_objects, "_rdt_batched", False):
+        worker_cls.deserialize_objects = wrap(worker_cls.deserialize_objects)
 
 
 def worker_mode() -> int:

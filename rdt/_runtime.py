@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 
@@ -40,15 +40,23 @@ def task_id() -> Optional[str]:
 _RAY_WORKER_FILE = os.path.join("ray", "_private", "worker.py")
 
 
+def is_get_objects(code: Any) -> bool:
+    """Whether ``code`` is Ray's ``Worker.get_objects`` (the ``ray.get`` path into deserialization)."""
+    return code.co_name == "get_objects" and code.co_filename.endswith(_RAY_WORKER_FILE)
+
+
 def called_by_ray_get() -> bool:
     """Whether Ray is deserializing a value for ``ray.get`` (True) rather than for a task's arguments.
 
     A private Ray detail, kept here alone: ``ray.get`` reaches ``Worker.deserialize_objects`` from
     ``Worker.get_objects`` (both in ray/_private/worker.py); task arguments reach it from Ray's Cython task loop
     (or the event loop, for async actors). ``await ref`` in an async actor arrives from Cython too and counts as
-    an argument. tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
+    an argument. rdt's own wrapper of ``deserialize_objects`` (rdt/_batch.py) is looked through.
+    tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
     fails when Ray changes this.
     """
+    from ._batch import is_wrapper
+
     frame = sys._getframe(1)
     for _ in range(64):  # bounded: the value is at most a few dozen frames below Ray's entry point
         if frame is None:
@@ -56,7 +64,8 @@ def called_by_ray_get() -> bool:
         code = frame.f_code
         if code.co_name == "deserialize_objects" and code.co_filename.endswith(_RAY_WORKER_FILE):
             caller = frame.f_back
-            return (caller is not None and caller.f_code.co_name == "get_objects"
-                    and caller.f_code.co_filename.endswith(_RAY_WORKER_FILE))
+            while caller is not None and is_wrapper(caller.f_code):
+                caller = caller.f_back
+            return caller is not None and is_get_objects(caller.f_code)
         frame = frame.f_back
     return False
