@@ -236,8 +236,7 @@ def run_xnode(args: argparse.Namespace) -> int:
     iters = args.iters or (3 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else 1
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    json_path = out_path(args.out, stamp).with_name(f"{stamp}-xnode.json") if args.out is None else out_path(
-        args.out, stamp)
+    json_path = out_path(args.out, f"{stamp}-xnode")
     shape = model_shape(scale)
     meta: Dict[str, Any] = {"machine": machine_info(), "argv": sys.argv[1:],
                             "config": {"suites": [XNODE], "quick": args.quick, "iters": iters, "warmup": warmup,
