@@ -329,8 +329,6 @@ def test_hung_producer_times_out(pool):
         ray.kill(victim)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15: a group fetch's TransferTimeoutError names the object and peer "
-                   "but not the group, so the user cannot tell which group to destroy and re-form")
 def test_transfer_timeout_names_the_group(pool):
     """A Gloo fetch from a stuck producer times out with an error that names the group it went through."""
     c1 = pool["c1"]
