@@ -147,11 +147,14 @@ class World:
     all with the trainer as rank 0 (Ray's torch groups share one process-wide default group, so the rank layout
     must be the same in all of them)."""
 
-    def __init__(self, shape: ModelShape, n: int, group_timeout: float) -> None:
+    def __init__(self, shape: ModelShape, n: int, group_timeout: float,
+                 nodes: Optional[List[str]] = None) -> None:
+        """``nodes``: a custom resource per actor (trainer first) to pin each to a node (the cross-node suite)."""
         self.shape, self.n = shape, n
         cls = actor_class()
-        self.trainer = cls.remote()
-        self.workers = [cls.remote() for _ in range(n)]
+        place = [cls.options(resources={r: 1}) for r in nodes] if nodes else [cls] * (n + 1)
+        self.trainer = place[0].remote()
+        self.workers = [place[1 + i].remote() for i in range(n)]
         self.everyone = [self.trainer, *self.workers]
         self.timeout = 60.0 + shape.nbytes * n / 20e6  # 20 MB/s per worker in the worst case
         self.errors: Dict[str, str] = {}

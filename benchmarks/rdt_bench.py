@@ -1,7 +1,7 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
 rdt's object layer vs Ray's built-in RDT and object store, and a model's weights synced from a trainer to workers.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync] [--sizes 4K,1M] [--world-sizes 2,4]
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync | --suites xnode] [--sizes 4K,1M] [--world-sizes 2,4]
 [--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
 Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
 info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. Every row names the mechanism that served it
@@ -73,6 +73,9 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
                                                "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite})
 DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync"
+XNODE = "xnode"  # not in SUITES: it starts its own cluster across network namespaces (run_xnode)
+XNODE_SCALE = 0.25  # the cross-node weight sync's default model scale: five nodes' object stores on one machine
+XNODE_OBJECT_STORE_MB = 512
 WEIGHT_SYNC_OBJECT_STORE_MB = 6144  # Ray's object store path puts one ~1 GB model per step; room for a few
 
 
@@ -93,7 +96,7 @@ def _csv(text: str) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)}")
+    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)}; or {XNODE} alone (cross-node, needs root)")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
     p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
     p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
@@ -140,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         return run_compare(*args.compare)
     suites = _csv(args.suites)
+    if XNODE in suites:
+        if suites != [XNODE]:
+            log(f"the {XNODE} suite runs its own cluster across network namespaces: run it alone (--suites {XNODE})")
+            return 2
+        return run_xnode(args)
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         log(f"unknown suite(s) {unknown}; choose from {list(SUITES)}")
@@ -214,6 +222,51 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwarning: load average was {load:.1f} on {os.cpu_count()} cores at start: timings are noisy")
     print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
           + (f"\nPNG:  {ws_png}" if ws_png else "") + f"\nelapsed: {meta['elapsed_s']} s")
+    return 0 if any("error" not in r for r in rows) else 1
+
+
+def run_xnode(args: argparse.Namespace) -> int:
+    """--suites xnode: the cross-node suite on Ray nodes in network namespaces (needs root; see docs/multinode.md)."""
+    import ray
+
+    from . import _xnode
+
+    workers = [int(w) for w in _csv(args.weight_sync_workers)]
+    scale = args.weight_sync_scale or (0.01 if args.quick else XNODE_SCALE)
+    iters = args.iters or (3 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else 1
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    json_path = out_path(args.out, f"{stamp}-xnode")
+    shape = model_shape(scale)
+    meta: Dict[str, Any] = {"machine": machine_info(), "argv": sys.argv[1:],
+                            "config": {"suites": [XNODE], "quick": args.quick, "iters": iters, "warmup": warmup,
+                                       "link": _xnode._netns.RATE, "weight_sync": {
+                                           "scale": scale, "workers": workers, "model": shape.describe(),
+                                           "model_bytes": shape.nbytes}}}
+    started = time.monotonic()
+    rows: List[Dict[str, Any]] = []
+    cluster = _xnode.start_cluster(1 + max(workers + [1]), args.object_store_mb or XNODE_OBJECT_STORE_MB)
+    try:
+        meta["cluster"] = {"address": cluster.address, "nodes": len(cluster.nodes),
+                           "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if "node:" not in k}}
+        rows += _xnode.object_rows(cluster, iters, timeout=120.0)
+        write_json(json_path, meta, rows)
+        rows += _xnode.weight_sync_rows(scale, workers, warmup, iters, args.group_timeout or 60.0)
+    finally:
+        ray.shutdown()
+        cluster.stop()
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    meta["targets"] = _xnode.xnode_targets(rows)
+    write_json(json_path, meta, rows)
+    synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
+    md = _xnode.xnode_markdown(rows, meta["targets"]) + ("\n\n" + weight_sync_markdown(synced) if synced else "")
+    json_path.with_suffix(".md").write_text(md + "\n")
+    if not args.no_png:
+        _xnode.write_object_png(json_path.with_suffix(".png"), rows)
+        if synced:
+            write_weight_sync_png(json_path.with_name(json_path.stem + "-weight-sync.png"), synced)
+    print(md + f"\n\nJSON: {json_path}\nelapsed: {meta['elapsed_s']} s")
     return 0 if any("error" not in r for r in rows) else 1
 
 

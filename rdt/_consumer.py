@@ -171,10 +171,13 @@ def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...
         except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
             raise
         except TimeoutError as e:
+            via = site.groups.get(t.name)
+            where = f" in group {via[1].name!r}" if via is not None else ""
             raise TransferTimeoutError(
-                f"fetching {meta.describe()} over {t.name} did not finish within {timeout:.1f}s: {e}",
+                f"fetching {meta.describe()} over {t.name}{where} did not finish within {timeout:.1f}s: {e}",
                 object_id=meta.id_hex,
-                hint="the producer may be dead or stuck; raise rdt.configure(transfer_timeout=...) for huge objects",
+                hint="the producer (or its link) may be dead or stuck: destroy the group and re-form it once the "
+                     "producer is reachable; raise rdt.configure(transfer_timeout=...) for huge objects",
             ) from e
         except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets)
             if not producer_alive(ctx, meta):

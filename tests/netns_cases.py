@@ -1,4 +1,4 @@
-"""Ray nodes in separate network namespaces joined by rate-shaped links (tests/_netns.py): what crosses nodes
+"""Ray nodes in separate network namespaces joined by rate-shaped links (benchmarks/_netns.py): what crosses nodes
 crosses a real interface, shown by the links' ``tc`` byte counters, and a link cut mid-transfer is a typed error.
 
 Needs root and iproute2 (``ip``, ``tc``); skips with the reason otherwise. tests/test_netns.py runs this module in
@@ -17,7 +17,7 @@ import ray
 import rdt
 from rdt.errors import RdtError
 
-from . import _netns
+from benchmarks import _netns
 from ._fault_actors import Caught, _maker, checksum, group_state, expected_checksum
 from .conftest import HAS_NIXL, HAS_UCXX
 

@@ -329,6 +329,28 @@ def test_hung_producer_times_out(pool):
         ray.kill(victim)
 
 
+def test_transfer_timeout_names_the_group(pool):
+    """A Gloo fetch from a stuck producer times out with an error that names the group it went through."""
+    c1 = pool["c1"]
+    victim, pid, _ = _victim()
+    group = rdt.create_collective_group([victim, c1], backend="gloo", name="chaos-timeout-names-me")
+    ray.get(c1.configure.remote(transfer_timeout=2.0))
+    try:
+        ref = victim.make_gloo.remote(1, MiB)
+        ray.wait([ref], timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferTimeoutError, match="chaos-timeout-names-me"):
+                ray.get(c1.digest.remote(ref), timeout=60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        del ref
+    finally:
+        group.destroy(timeout=20)
+        ray.get(c1.configure.remote(transfer_timeout=60.0))
+        ray.kill(victim)
+
+
 def test_transport_error_with_live_producer(pool):
     """The producer is alive but can no longer serve over the group (it left it): ObjectFetchError, not
     ProducerDiedError; the consumer's other paths keep working."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from . import _netns
+from benchmarks import _netns
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]

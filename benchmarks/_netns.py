@@ -1,4 +1,5 @@
-"""A Ray cluster across network namespaces on one machine, joined by rate-shaped veth links (issue 15).
+"""A Ray cluster across network namespaces on one machine, joined by rate-shaped veth links (issue 15); used by
+the netns tests (tests/netns_cases.py) and the cross-node benchmark (``rdt-bench --suites xnode``).
 
 Layout: a bridge ``rdtbr0`` (10.77.0.1/24, the driver's and the Ray head's address) and one namespace ``rdt-nK``
 per worker node, joined to the bridge by a veth pair (``rdtvK`` on the host, ``rdtvKp`` inside, 10.77.0.1K).
