@@ -29,7 +29,6 @@ from rdt.errors import (
     UnsupportedError,
 )
 
-from .conftest import wait_for
 
 N = 1 << 16  # above the inline threshold: tensors move out of band
 

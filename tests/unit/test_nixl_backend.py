@@ -126,7 +126,8 @@ def test_registration_not_reused_after_free(pair) -> None:
     for tag in range(4):  # fresh tensors each time: dead storages must be deregistered, never reused stale
         src = torch.full((1 << 16,), float(tag))  # 256 KiB: above the EAGER limit, so registered
         dst = torch.zeros(1 << 16)
-        run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
+        run_both(lambda s=src, t=tag: b0.isend(s, 1, t).wait(TIMEOUT),
+                 lambda d=dst, t=tag: b1.irecv(d, 0, t).wait(TIMEOUT))
         assert torch.equal(src, dst)
         del src, dst
     assert len(b1.registration_cache) <= 2 and len(b0.registration_cache) <= 2
