@@ -83,7 +83,11 @@ def _wrap(original: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
         ctx = get_context()
         if getattr(ctx.deferring, "on", False) or getattr(ctx.batching, "batch", None) is not None:
             return original(self, serialized_objects, object_refs, *args, **kwargs)
-        batch = Batch(task_id(), in_actor() and not is_get_objects(sys._getframe(1).f_code))
+        try:
+            caller = sys._getframe(1).f_code
+        except ValueError:  # called straight from Ray's compiled code (a task's arguments): no Python caller
+            caller = None
+        batch = Batch(task_id(), in_actor() and not (caller is not None and is_get_objects(caller)))
         ctx.batching.batch = batch
         try:
             values = original(self, serialized_objects, object_refs, *args, **kwargs)
