@@ -156,6 +156,8 @@ class RdtContext:
             try:
                 self.shm_pool.trim()
                 self.buffers.trim()
+                if self.nixl is not None:
+                    self.nixl.registrations.sweep()  # registrations of storages that died since
                 if time.monotonic() - last_reap >= period:
                     last_reap = time.monotonic()
                     _shm.reap_dead_owners()

@@ -1,9 +1,10 @@
 """NIXL producer registrations are cached per storage, with real NIXL agents over DRAM (the same code registers
-VRAM on a GPU): the same weights returned 100 times cost one registration, which lives until the last object using
-it is freed; the cache drains to zero and the agent's own registrations with it."""
+VRAM on a GPU): the same weights returned 100 times cost one registration, which lives while an object uses it or
+the storage lives; once the weights die the cache drains to zero and the agent's own registrations with it."""
 
 from __future__ import annotations
 
+import gc
 import secrets
 import threading
 import types
@@ -73,9 +74,20 @@ def test_weights_returned_100_times_cost_one_registration(agents):
     assert torch.equal(got[1].view(torch.float32), weights["b"])
     _nixl_objects.release(producer, entries[-1])
     assert len(regs) == 0 and regs.made == 2
-    assert _md_size(producer) == empty  # deregistered with the last object: NIXL holds nothing for them
     _nixl_objects.release(producer, entries[-1])  # a second release is harmless
     assert len(regs) == 0
+    # No object uses them now, but the weights live on: the registrations stay for the next step's object ...
+    assert regs.idle() == 2 and _md_size(producer) == one_each
+    entry = _entry(weights)
+    _nixl_objects.register(producer, entry)
+    assert regs.made == 2 and len(regs) == 2 and regs.idle() == 0  # ... which registers nothing
+    _nixl_objects.release(producer, entry)
+    # ... until the weights die: then the storages' finalizers queue them and a sweep deregisters them.
+    del weights, entries, entry, info, got
+    gc.collect()
+    regs.sweep()
+    assert regs.idle() == 0 and len(regs) == 0
+    assert _md_size(producer) == empty  # NIXL holds nothing for them
 
 
 def test_views_of_one_storage_share_a_registration_and_storages_are_counted_apart(agents):
@@ -95,9 +107,9 @@ def test_views_of_one_storage_share_a_registration_and_storages_are_counted_apar
     assert len(regs) == 1 and regs.users(_nixl_objects.storage_key(other)) == 0
     _nixl_objects.release(producer, b)
     assert len(regs) == 0
-    c = _entry(base)  # freed: a later object registers the storage afresh
+    c = _entry(base)  # no object used it meanwhile, but the storage lives: its registration is reused
     _nixl_objects.register(producer, c)
-    assert regs.made == 3
+    assert regs.made == 2 and regs.users(_nixl_objects.storage_key(base)) == 1
     _nixl_objects.release(producer, c)
     assert len(regs) == 0
 
