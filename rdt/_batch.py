@@ -21,42 +21,71 @@ MAX_PARALLEL = 8  # fetches of one deserialization that run at once (as rdt.get)
 class Pending:
     """Stands for an rdt object whose fetch was started during a batched deserialization."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "meta")
 
-    def __init__(self, future: "Future[Any]") -> None:
-        self.future = future
+    def __init__(self, meta: ObjectMeta) -> None:
+        self.meta = meta
+        self.future: Optional["Future[Any]"] = None  # set when the fetch is started on the pool
 
 
 class Batch:
-    """The fetches started during one ``deserialize_objects`` call (one per distinct object)."""
+    """The fetches started during one ``deserialize_objects`` call (one per distinct object).
+
+    One object alone is fetched on the caller's thread when the call ends (nothing to overlap it with, and a
+    thread hop costs more than a small object's fetch); from the second distinct object on, every fetch is
+    started on a pool at once."""
 
     def __init__(self, task: Optional[str], task_argument: bool) -> None:
         self.task = task
         self.task_argument = task_argument
         self.made = 0  # placeholders handed out (to tell whether all were found at top level)
-        self._futures: Dict[bytes, "Future[Any]"] = {}
+        self._objects: Dict[bytes, Pending] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._ctx: Any = None
 
     def defer(self, ctx: Any, meta: ObjectMeta) -> Pending:
         """Start fetching ``meta`` (once per object: the same ref passed twice is fetched once)."""
+        self.made += 1
+        self._ctx = ctx
+        pending = self._objects.get(meta.obj_id)
+        if pending is None:
+            pending = self._objects[meta.obj_id] = Pending(meta)
+            if len(self._objects) > 1:
+                for p in self._objects.values():
+                    if p.future is None:
+                        p.future = self._start(ctx, p.meta)
+        return pending
+
+    def _start(self, ctx: Any, meta: ObjectMeta) -> "Future[Any]":
         from ._meta import resolve_or_error
 
-        self.made += 1
-        future = self._futures.get(meta.obj_id)
-        if future is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL, thread_name_prefix="rdt-deser")
-            future = self._futures[meta.obj_id] = self._pool.submit(
-                resolve_or_error, ctx, meta, task=self.task, task_argument=self.task_argument)
-        return Pending(future)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL, thread_name_prefix="rdt-deser")
+        return self._pool.submit(resolve_or_error, self._ctx, meta, task=self.task, task_argument=self.task_argument)
+
+    def _run_here(self, pending: Pending) -> None:
+        """Fetch a lone object on this thread (as a completed future, so errors are handed back alike)."""
+        from ._meta import resolve_or_error
+
+        future: "Future[Any]" = Future()
+        try:
+            future.set_result(resolve_or_error(self._ctx, pending.meta, task=self.task,
+                                               task_argument=self.task_argument))
+        except Exception as e:  # handed back as that object's error, as from the pool
+            future.set_exception(e)
+        pending.future = future
 
     def finish(self, values: List[Any]) -> List[Any]:
         """``values`` with each top-level placeholder replaced by its object's value, or its own error."""
         try:
-            return [_outcome(v.future) if isinstance(v, Pending) else v for v in values]
+            for p in self._objects.values():
+                if p.future is None:
+                    self._run_here(p)
+            return [_outcome(v.future) if isinstance(v, Pending) else v for v in values]  # type: ignore[arg-type]
         finally:
-            for f in self._futures.values():  # placeholders nested deeper are re-resolved by the caller
-                f.exception()
+            for p in self._objects.values():  # placeholders nested deeper are re-resolved by the caller
+                if p.future is not None:
+                    p.future.exception()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
 

@@ -58,6 +58,11 @@ class Flattened:
         self._spans = [(b, b.storage_offset(), b.storage_offset() + b.numel()) for b in self._buffers]
 
     @property
+    def spans(self) -> List[Tuple[torch.Tensor, int, int]]:
+        """Per buffer: (a tensor on its storage, first byte, end byte): one buffer per storage, no view made."""
+        return self._spans
+
+    @property
     def ranges(self) -> List[Tuple[int, int]]:
         """Per buffer: (address, bytes), without making the buffers."""
         return [(owner.untyped_storage().data_ptr() + lo, hi - lo) for owner, lo, hi in self._spans]
@@ -183,34 +188,39 @@ def flatten(value: Any) -> Flattened:
 
 
 def _finish(skeleton: bytes, found: _Collector) -> Flattened:
-    """Buffers and specs for the tensors ``found`` while pickling ``skeleton``: one pass over the leaves."""
+    """Buffers and specs for the tensors ``found`` while pickling ``skeleton``: one pass over the leaves, then one
+    over the storages (a state dict's leaf costs a few attribute reads: no per-leaf tuples or device strings)."""
     names: Dict[torch.dtype, int] = {}
-    spans: Dict[Tuple[int, torch.device], List[Any]] = {}  # storage -> [min byte, max byte, tensor]
-    rows: List[Tuple[Any, int, int]] = []  # per leaf: (storage key or None, start byte, element size)
-    shapes: List[Tuple[int, ...]] = []
-    strides: List[Tuple[int, ...]] = []
-    dtypes: List[int] = []
-    kinds: List[int] = []
-    for (t, kind), leaf in zip(found.tensors, found.leaves):
+    spans: Dict[Any, List[Any]] = {}  # storage -> [min byte, max byte, a tensor on it]
+    tensors = found.tensors
+    n = len(tensors)
+    keys: List[Any] = [None] * n  # per leaf: its storage's key (None: empty), first byte, element size
+    starts = [0] * n
+    sizes = [1] * n
+    shapes: List[Any] = [()] * n
+    strides: List[Any] = [()] * n
+    dtypes = [0] * n
+    kinds = [KIND_TORCH] * n
+    for i, (t, kind) in enumerate(tensors):
         di = names.get(t.dtype)
         if di is None:
             di = names[t.dtype] = len(names)
-        dtypes.append(di)
-        shape, stride = tuple(t.shape), t.stride()
-        shapes.append(shape)
-        strides.append(stride)
-        kinds.append(kind | (int(bool(leaf.requires_grad)) << 4) if kind == KIND_PARAMETER else kind)
-        n = t.numel()
-        if n == 0:
-            rows.append((None, 0, 1))
+        dtypes[i] = di
+        shape = shapes[i] = t.shape  # a torch.Size: a tuple already
+        stride = strides[i] = t.stride()
+        if kind:
+            kinds[i] = kind | (int(bool(found.leaves[i].requires_grad)) << 4) if kind == KIND_PARAMETER else kind
+        numel = t.numel()
+        if not numel:
             continue
-        es = t.element_size()
-        start = t.storage_offset() * es
+        es = sizes[i] = t.element_size()
+        start = starts[i] = t.storage_offset() * es
         if t.is_contiguous():
-            end = start + n * es
+            end = start + numel * es
         else:
-            end = start + (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * es
-        key = (t.untyped_storage().data_ptr(), t.device)
+            end = start + (sum((d - 1) * st for d, st in zip(shape, stride)) + 1) * es
+        ptr = t.untyped_storage().data_ptr()
+        key = keys[i] = ptr if t.is_cpu else (ptr, t.device)
         span = spans.get(key)
         if span is None:
             spans[key] = [start, end, t]
@@ -219,17 +229,26 @@ def _finish(skeleton: bytes, found: _Collector) -> Flattened:
                 span[0] = start
             if end > span[1]:
                 span[1] = end
-        rows.append((key, start, es))
-    index = {key: i for i, key in enumerate(spans)}
-    owned = [(owner, lo, hi) for lo, hi, owner in spans.values()]
-    which: List[int] = []
-    offsets: List[int] = []
-    for key, start, es in rows:
+    index: Dict[Any, int] = {}
+    owned: List[Tuple[torch.Tensor, int, int]] = []
+    devices: List[str] = []
+    device_names: Dict[Any, str] = {}  # str(device) once per device, not per storage
+    for key, (lo, hi, owner) in spans.items():
+        index[key] = len(owned)
+        owned.append((owner, lo, hi))
+        dev = owner.device
+        name = device_names.get(dev)
+        if name is None:
+            name = device_names[dev] = str(dev)
+        devices.append(name)
+    which = [-1] * n
+    offsets = [0] * n
+    for i in range(n):
+        key = keys[i]
         if key is None:
-            which.append(-1)
-            offsets.append(0)
             continue
-        rel = start - spans[key][0]
+        rel = starts[i] - spans[key][0]
+        es = sizes[i]
         if rel % es:
             from rdt_transports.errors import InvalidArgumentError
 
@@ -237,10 +256,10 @@ def _finish(skeleton: bytes, found: _Collector) -> Flattened:
                 f"a view starts {rel} bytes into the span of its storage, not a multiple of its element size "
                 f"{es}", hint="return a .clone() of that view (or views of one dtype only)",
             )
-        which.append(index[key])
-        offsets.append(rel // es)
+        which[i] = index[key]
+        offsets[i] = rel // es
     specs = SpecTable([_dtype_name(d) for d in names], which, dtypes, kinds, offsets, shapes, strides)
-    table = BufferTable([hi - lo for _, lo, hi in owned], [str(owner.device) for owner, _, _ in owned])
+    table = BufferTable([hi - lo for _, lo, hi in owned], devices)
     return Flattened(skeleton, specs, owned, found.leaves, table)
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -265,22 +265,27 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
     known = entry.exports.get("nixl")
     if known is not None:
         return known[1]
-    bufs = entry.buffers
-    if not bufs:  # only empty tensors: such objects travel inline, never here
+    spans = entry.flat.spans  # one buffer per storage: (a tensor on it, first byte, end byte); no view made
+    if not spans:  # only empty tensors: such objects travel inline, never here
         raise SetupFailed(f"object {entry.obj_id.hex()} has no bytes to register with NIXL")
     wait_ready(entry)  # a one-sided READ follows no stream: the writes queued before the return must be done
     ag = agent(ctx)
-    types = [mem_type_of(b) for b in bufs]
+    types: List[str] = []
     keys: List[RegKey] = []
-    regs: List[Any] = []
-    seen: Set[RegKey] = set()
+    items: List[Tuple[RegKey, Any]] = []
+    descs: List[Tuple[int, int, int]] = []
+    for owner, lo, hi in spans:
+        storage = owner.untyped_storage()
+        mem = "DRAM" if owner.is_cpu else mem_type_of(owner)
+        dev = 0 if owner.is_cpu else max(owner.get_device(), 0)
+        base = storage.data_ptr()
+        key = (mem, dev, base, storage.nbytes())
+        types.append(mem)
+        keys.append(key)
+        items.append((key, storage))
+        descs.append((base + lo, hi - lo, dev))
+    regs = ag.registrations.acquire_many(items)
     try:
-        for b in bufs:
-            key = storage_key(b)
-            if key not in seen:  # views of one storage: one user per object
-                regs.append(ag.registrations.acquire(key, b.untyped_storage()))
-                keys.append(key)
-                seen.add(key)
         # The same registrations as the previous object (the same weights returned again): the same metadata.
         same = ag.last_md is not None and ag.last_md[0] == keys and all(a is b for a, b in zip(ag.last_md[1], regs))
         if same:
@@ -296,11 +301,10 @@ def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
                     for mem, _ in group_by_mem_type(types)]
             ag.last_md = (keys, regs, mds)  # holds the registration objects: their identity cannot be reused
     except BaseException:
-        for key in keys:
-            ag.registrations.release(key)
+        ag.registrations.release_many(keys)
         raise
-    descs = tuple((b.data_ptr(), b.numel(), max(b.get_device(), 0)) for b in bufs)
-    info = NixlInfo(ag.name, mds[0], "VRAM" if "VRAM" in types else "DRAM", descs, tuple(types), tuple(mds[1:]))
+    info = NixlInfo(ag.name, mds[0], "VRAM" if "VRAM" in types else "DRAM", tuple(descs), tuple(types),
+                    tuple(mds[1:]))
     entry.exports["nixl"] = (tuple(keys), info)
     return info
 
@@ -310,8 +314,7 @@ def release(ctx: "RdtContext", entry: "Entry") -> None:
     known = entry.exports.pop("nixl", None)
     if known is None or ctx.nixl is None:
         return
-    for key in known[0]:
-        ctx.nixl.registrations.release(key)  # never raises
+    ctx.nixl.registrations.release_many(list(known[0]))  # never raises
 
 
 def encode_info(info: NixlInfo) -> bytes:

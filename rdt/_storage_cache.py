@@ -48,27 +48,30 @@ class StorageCache(Generic[K, V]):
     def take(self, key: K, storage: Any) -> Tuple[V, bool]:
         """The export of ``storage`` (made now if it has none) and whether it was made by this call; one user more."""
         self.sweep()
-        stale: Optional[List[Any]] = None
-        with self._lock:
-            known = self._live.get(key)
-            if known is not None and known[1] == 0 and known[3] is not None and known[3]() is not storage:
-                stale = self._live.pop(key)  # another allocation at the same address: never reuse its export
-                self._idle.pop(key, None)
-                known = None
-        if stale is not None:
-            self._undo_quietly(stale[0])
-        with self._lock:
-            known = self._live.get(key)
-            fresh = known is None
-            if known is None:
-                known = [self._make(key, storage), 0, storage, self._watch(key, storage)]
-                self._live[key] = known
-                self.made += 1
-            elif known[1] == 0:
-                self._idle.pop(key, None)
-                known[2] = storage
-            known[1] += 1
-            return known[0], fresh
+        stale: List[Any] = []
+        try:
+            with self._lock:
+                return self._take_locked(key, storage, stale)
+        finally:
+            for export in stale:
+                self._undo_quietly(export)
+
+    def _take_locked(self, key: K, storage: Any, stale: List[Any]) -> Tuple[V, bool]:
+        known = self._live.get(key)
+        if known is not None and known[1] == 0 and known[3] is not None and known[3]() is not storage:
+            stale.append(self._live.pop(key)[0])  # another allocation at the same address: never reuse its export
+            self._idle.pop(key, None)
+            known = None
+        fresh = known is None
+        if known is None:
+            known = [self._make(key, storage), 0, storage, self._watch(key, storage)]
+            self._live[key] = known
+            self.made += 1
+        elif known[1] == 0:
+            self._idle.pop(key, None)
+            known[2] = storage
+        known[1] += 1
+        return known[0], fresh
 
     def _watch(self, key: K, storage: Any) -> Optional[Any]:
         """A weak reference to ``storage`` whose death queues ``key`` for :meth:`sweep` (keep_while_alive only)."""
@@ -86,25 +89,49 @@ class StorageCache(Generic[K, V]):
         """The export of ``storage`` (made now if it has none); one user more."""
         return self.take(key, storage)[0]
 
+    def acquire_many(self, items: List[Tuple[K, Any]]) -> List[V]:
+        """:meth:`acquire` for each distinct (key, storage) of one object, under one lock: a state dict of
+        hundreds of storages costs one sweep and one lock, not one each. On error none is acquired."""
+        self.sweep()
+        out: List[V] = []
+        stale: List[Any] = []
+        try:
+            with self._lock:
+                for key, storage in items:
+                    out.append(self._take_locked(key, storage, stale)[0])
+        except BaseException:
+            self.release_many([key for key, _ in items[:len(out)]])
+            raise
+        finally:
+            for export in stale:
+                self._undo_quietly(export)
+        return out
+
     def release(self, key: K) -> None:
         """One user fewer; the last one undoes the export (or keeps it while the storage lives). Never raises."""
+        self.release_many([key])
+
+    def release_many(self, keys: List[K]) -> None:
+        """One user fewer of each key, under one lock; a last user undoes the export (or, with
+        ``keep_while_alive``, keeps it while the storage lives, at most ``max_idle`` such). Never raises."""
         undo: List[Any] = []
         with self._lock:
-            known = self._live.get(key)
-            if known is None:
-                return
-            known[1] -= 1
-            if known[1] > 0:
-                return
-            known[2] = None  # from now on only the users' tensors keep the storage alive
-            if known[3] is not None and known[3]() is not None:
-                self._idle[key] = None
-                while len(self._idle) > self._max_idle:
-                    old, _ = self._idle.popitem(last=False)
-                    undo.append(self._live.pop(old)[0])
-            else:
-                del self._live[key]
-                undo.append(known[0])
+            for key in keys:
+                known = self._live.get(key)
+                if known is None:
+                    continue
+                known[1] -= 1
+                if known[1] > 0:
+                    continue
+                known[2] = None  # from now on only the users' tensors keep the storage alive
+                if known[3] is not None and known[3]() is not None:
+                    self._idle[key] = None
+                else:
+                    del self._live[key]
+                    undo.append(known[0])
+            while len(self._idle) > self._max_idle:
+                old, _ = self._idle.popitem(last=False)
+                undo.append(self._live.pop(old)[0])
         for export in undo:
             self._undo_quietly(export)
         self.sweep()

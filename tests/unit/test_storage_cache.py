@@ -69,3 +69,32 @@ def test_idle_exports_are_bounded():
     assert cache.idle() == 2 and log.undone == ["export-1", "export-2", "export-3"]  # oldest undone first
     cache.clear_idle()
     assert cache.idle() == 0 and len(log.undone) == 5
+
+
+def test_many_at_once_count_alike_and_a_failed_make_acquires_none():
+    log = _Log()
+    cache = StorageCache(log.make, log.undo, keep_while_alive=True)
+    ts = [torch.ones(4) for _ in range(3)]
+    items = [(f"k{i}", t.untyped_storage()) for i, t in enumerate(ts)]
+    assert cache.acquire_many(items) == ["export-1", "export-2", "export-3"]
+    assert cache.acquire_many(items[:2]) == ["export-1", "export-2"]  # a second object on two of them
+    assert [cache.users(k) for k, _ in items] == [2, 2, 1]
+    cache.release_many([k for k, _ in items])
+    assert [cache.users(k) for k, _ in items] == [1, 1, 0] and cache.idle() == 1
+    cache.release_many([k for k, _ in items[:2]])
+    assert len(cache) == 0 and cache.idle() == 3 and log.undone == []
+
+    def failing(key: str, storage: object) -> str:
+        if key == "bad":
+            raise RuntimeError("registration refused")
+        return log.make(key, storage)
+
+    strict = StorageCache(failing, log.undo)
+    other = torch.ones(4)
+    try:
+        strict.acquire_many([("ok", ts[0].untyped_storage()), ("bad", other.untyped_storage())])
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a failed registration must raise")
+    assert len(strict) == 0 and strict.users("ok") == 0 and log.undone[-1:] == ["export-4"]
