@@ -226,9 +226,13 @@ class WeightActor:
         """The tensor-count object over NIXL."""
         return self.count_tensors
 
-    def consume_count(self, tensors: List[torch.Tensor]) -> float:
-        """Plain consumption: touch one float per 4 KiB page of every tensor; the checksum for the driver."""
-        return sum(_touch(t) for t in tensors)
+    def consume_count(self, tensors: List[torch.Tensor]) -> Tuple[float, float]:
+        """Plain consumption: touch one float per 4 KiB page of every tensor. Returns the checksum for the driver
+        and the seconds the check itself took (a few torch ops per tensor: the driver subtracts it, since it is the
+        benchmark's cost and the same for every transport, not the transfer's)."""
+        t0 = time.perf_counter()
+        total = sum(_touch(t) for t in tensors)
+        return total, time.perf_counter() - t0
 
 
 def actor_class() -> Any:
