@@ -108,6 +108,7 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
             r = by[(impl, 1, f"tensors={count}")]
             assert "error" not in r and r["tensors"] == count and r["size"] == 4 << 20, r
             assert r["mechanism"] == expected[impl] and r["seconds"] > 0, r
+            assert r["round_trip_seconds"] > r["seconds"] and r["check_seconds"] > 0, r  # the check is not counted
     targets = {t["target"]: t for t in data["targets"]}
     assert all(t["target"].startswith("weight-sync") for t in data["targets"])
     for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl"):
