@@ -68,3 +68,17 @@ def test_gather_copies_many_ranges_within_the_process():
         at += t.numel()
     gather(parts)
     assert torch.equal(dst, torch.cat(src))
+
+
+def test_packed_staging_holds_each_buffer_at_its_block_offset_and_zeros_between():
+    from rdt.transports.group import _packed_sends, messages
+
+    leaves = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in (10, 3, 64, 1, 100)]  # gaps after 10, 3, 1, ...
+    flat = flatten(leaves)
+    (staging,) = _packed_sends(flat)
+    assert messages(flat.table.sizes) == [(0, len(leaves) - 1)]
+    offsets, _ = padded_offsets(flat.table.sizes)
+    expect = torch.zeros(staging.numel(), dtype=torch.uint8)
+    for t, o in zip(leaves, offsets):
+        expect[o:o + t.numel()] = t
+    assert torch.equal(staging, expect)  # the data where the consumer's block has it, and no stale byte elsewhere
