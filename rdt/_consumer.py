@@ -21,7 +21,7 @@ from rdt_transports._context import get_context as get_transport_context
 from . import _cuda_ipc, _into, transports
 from ._flatten import unflatten
 from ._meta import ObjectMeta
-from ._peer import died, freed, producer_alive
+from ._peer import died, freed, probe, unreachable
 from ._runtime import called_by_ray_get, in_actor, node_id, task_id
 from .errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
 from .transports import Fetched, SetupFailed, Site, Transport
@@ -180,8 +180,11 @@ def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...
                      "producer is reachable; raise rdt.configure(transfer_timeout=...) for huge objects",
             ) from e
         except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets)
-            if not producer_alive(ctx, meta):
+            state, why = probe(ctx, meta)
+            if state == "dead":
                 raise died(meta, e) from e
+            if state == "silent":
+                raise unreachable(meta, f"the {t.name} fetch", e, why) from e
             raise ObjectFetchError(f"fetching {meta.describe()} over {t.name} failed: {type(e).__name__}: {e}",
                                    object_id=meta.id_hex) from e
     raise AssertionError("unreachable: the chain is never empty")

@@ -6,7 +6,7 @@ Shared by the consumer core and the transports (below both; imports neither).
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from . import _control, _shm
 from ._meta import ObjectMeta
@@ -14,25 +14,43 @@ from ._runtime import node_id
 from .errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
 
 
-def producer_alive(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> bool:
-    """False only on proof of death: the pid is gone (same node) or nothing listens on its control port.
-
-    A ping that times out means stuck or slow, not dead (a stopped process answers nothing but is alive).
-    """
+def probe(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> Tuple[str, str]:
+    """("alive" | "dead" | "silent", why): "dead" only on proof of death (the pid is gone on this node, or nothing
+    listens on its control port); "silent" when no answer came (a stopped process, or its node unreachable)."""
     if meta.producer.node_id == node_id() and not _shm.pid_alive(meta.producer.pid):
-        return False
+        return "dead", f"pid {meta.producer.pid} is gone"
+    why = "no answer"
     for _ in range(2):  # a pooled connection that breaks proves nothing: the second try opens a fresh one
         try:
             ctx.client.request(meta.producer.control_address, _control.REQ_PING, _control.KEY_PROCESS,
                                meta.producer.process_key, b"", ping_timeout)
-            return True
+            return "alive", ""
         except ConnectionRefusedError:
-            return False
-        except (ConnectionError, _control.ProtocolError):
+            return "dead", f"nothing listens on {meta.producer.control_address}"
+        except (ConnectionError, _control.ProtocolError) as e:
+            why = f"{type(e).__name__}: {e}"
             continue
-        except Exception:
-            return True
-    return True
+        except Exception as e:  # a timeout or an unreachable host: silent, not proven dead
+            return "silent", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return "silent", why
+
+
+def producer_alive(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> bool:
+    """False only on proof of death (see :func:`probe`). A ping that times out means stuck, slow or cut off, not
+    dead (a stopped process answers nothing but is alive)."""
+    return probe(ctx, meta, ping_timeout)[0] != "dead"
+
+
+def unreachable(meta: ObjectMeta, what: str, cause: BaseException, why: str) -> ObjectFetchError:
+    """The error for a fetch that failed while the producer does not answer: name its node and address."""
+    return ObjectFetchError(
+        f"{what} of {meta.describe()} failed ({type(cause).__name__}: {cause}), and its producer (actor "
+        f"{meta.producer.actor_id[:12] or 'driver'}, pid {meta.producer.pid}, node {meta.producer.node_id[:12]}, "
+        f"control {meta.producer.control_address}) does not answer ({why}): its node may be unreachable (link "
+        f"down, node removed)", object_id=meta.id_hex,
+        hint="check the network path to the producer's node; fetch again once it answers, or re-run the producing "
+             "method on a live actor if the node is gone",
+    )
 
 
 def died(meta: ObjectMeta, cause: BaseException) -> ProducerDiedError:

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import rdt
-from rdt.errors import RdtError
+from rdt.errors import ProducerDiedError, RdtError
 
 from benchmarks import _netns
 from ._fault_actors import Caught, _maker, checksum, group_state, expected_checksum
@@ -251,6 +251,9 @@ def test_removed_node_is_a_typed_error(net, peers):
             assert status == "err", (t, caught)
             assert issubclass(caught.cls, (RdtError, ray.exceptions.RayActorError)), (t, caught)
             assert seconds < timeout + 5 and time.monotonic() - t0 < timeout + 10, (t, seconds, caught)
+            if t == "nixl":  # the error says where to look: the producer's node, not only NIXL's backend code
+                assert "does not answer" in caught.message and "node may be unreachable" in caught.message \
+                    or issubclass(caught.cls, ProducerDiedError), caught
             print("removed:", t, caught.cls.__name__, f"after {seconds:.1f} s")
     finally:
         # Waits for n2's member until Ray declares the node dead (health checks, ~20 s here): bounded by its timeout.

@@ -13,7 +13,7 @@ import torch
 
 from .. import _control, _nixl_objects
 from .._meta import ObjectMeta
-from .._peer import control_request, died, err, producer_alive
+from .._peer import control_request, died, err, probe, unreachable
 from ..errors import ObjectFetchError
 from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
 
@@ -44,14 +44,13 @@ class NixlTransport(Transport):
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
         try:
             return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline), site.into), "nixl")
-        except TimeoutError:
-            if not producer_alive(ctx, meta):
-                raise died(meta, TimeoutError("NIXL READ timed out")) from None
-            raise
-        except RuntimeError as e:
-            if not producer_alive(ctx, meta):
+        except TimeoutError as e:  # other errors (NIXL's own) are named by the consumer core, which probes alike
+            state, why = probe(ctx, meta)
+            if state == "dead":
                 raise died(meta, e) from e
-            raise ObjectFetchError(f"NIXL READ of {meta.describe()} failed: {e}", object_id=meta.id_hex) from e
+            if state == "silent":
+                raise unreachable(meta, "the NIXL READ", e, why) from e
+            raise
 
     def handlers(self) -> Dict[int, Served]:
         return {_control.REQ_PREPARE_NIXL: (_serve_prepare, (_control.KEY_PROCESS,))}
