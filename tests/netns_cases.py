@@ -148,15 +148,29 @@ def test_objects_cross_the_link(net, peers):
     assert seen == {label: {want[label]: 1} for label in seen}, seen  # auto never chose shm or CUDA IPC
 
 
-def _allreduce(name: str, value: float, numel: int) -> Tuple[int, float, float]:
-    """(worker side) allreduce ``numel`` floats of ``value``; return only a summary (the driver's link is shaped
-    too, and a 16 MiB result sent back would count as traffic)."""
-    import rdt_transports as rt
-    import torch
+COLLECTIVE_OPS = ["send", "broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter",
+                  "alltoall", "barrier"]  # with recv (the other side of send): every collective rdt_transports has
 
-    t = torch.full((numel,), float(value))
-    rt.allreduce(t, name, timeout=60.0)
-    return t.numel(), float(t.min()), float(t.max())
+
+def _case(op: str, i: int) -> Dict[str, Any]:
+    """One case of tests/_collective_cases.py for two ranks: 1 MiB float32 per tensor, root and sender n2."""
+    if op == "barrier":
+        return dict(op=op, late=1, algorithm="auto", id=i)
+    return dict(op=op, dtype="float32", shape=(256, 1024), lib="torch", rop="SUM", root=1, src=1, dst=0,
+                algorithm="auto", base=i, id=i)
+
+
+def _checked(group: str, case: Dict[str, Any], timeout: float) -> bool:
+    """(worker side) run one collective and check this rank's result here: a result sent back to the driver
+    would cross the shaped link too and blur its counters."""
+    import rdt_transports as rt
+
+    from tests._collective_cases import _run_case, check_output, expected
+
+    rank, world = rt.get_rank(group), rt.get_collective_group_size(group)
+    out = _run_case(rank, world, group, case, timeout)
+    check_output(case, rank, out, expected(case, world)[rank], f"netns {group}")
+    return True
 
 
 def _link_bytes(net: _netns.NetnsCluster) -> List[int]:
@@ -164,23 +178,27 @@ def _link_bytes(net: _netns.NetnsCluster) -> List[int]:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nixl", "ucx", "tcp"])
-def test_allreduce_crosses_the_link(net, peers, backend):
-    """A 16 MiB allreduce between n1 and n2: right result, and each node sent and received at least the payload."""
+def test_collectives_cross_the_link(net, peers, backend):
+    """Every collective (and send/recv) between n1 and n2 on each backend: each rank's result checked on the rank,
+    and the bytes leaving the two nodes grew by at least half a tensor per operation (a path through shared memory
+    or CMA between the namespaces would move none)."""
     if backend == "nixl" and not HAS_NIXL or backend == "ucx" and not HAS_UCXX:
         pytest.skip(f"{backend} is not installed")
     p1, p2 = peers["n1"], peers["n2"]
-    numel = 4 * MiB  # float32: 16 MiB
-    group = rdt.create_collective_group([p1, p2], backend=backend, name=f"netns-ar-{backend}")
+    name = f"netns-coll-{backend}"
+    tensor_bytes = 256 * 1024 * 4
+    group = rdt.create_collective_group([p1, p2], backend=backend, name=name)
     try:
-        before = _link_bytes(net)
-        results = ray.get([p.call.remote(_allreduce, f"netns-ar-{backend}", v, numel)
-                           for p, v in ((p1, 1.0), (p2, 2.0))], timeout=120)
-        grew = [a - b for a, b in zip(_link_bytes(net), before)]  # n1 into, n1 out, n2 into, n2 out
-        for caught, value in results:
-            assert caught is None, caught
-            assert value == (numel, 3.0, 3.0), value
-        assert min(grew) >= numel * 4, grew  # each rank sends and receives the whole payload (2 ranks)
-        print(backend, "link bytes", grew)
+        for i, op in enumerate(COLLECTIVE_OPS):
+            case = _case(op, i)
+            before = _link_bytes(net)  # n1 into, n1 out, n2 into, n2 out
+            results = ray.get([p.call.remote(_checked, name, case, 60.0) for p in (p1, p2)], timeout=120)
+            grew = [a - b for a, b in zip(_link_bytes(net), before)]
+            for caught, ok in results:
+                assert caught is None and ok, (backend, op, caught)
+            if op != "barrier":
+                assert grew[1] + grew[3] >= tensor_bytes // 2, (backend, op, grew)
+            print(backend, op, "link bytes", grew)
     finally:
         group.destroy(timeout=30)
 
