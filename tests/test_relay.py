@@ -20,8 +20,6 @@ from rdt._shm import pid_alive
 from ._relay_actors import RelayNode, digests, nbytes, relay_state
 from .conftest import wait_for
 
-NOT_YET = pytest.mark.xfail(strict=True, reason="issue 15: the gloo transport does not relay yet")
-
 BIG = 6 << 20  # float32 elements per large tensor: the object is about 75 MiB
 
 
@@ -48,7 +46,6 @@ def chain(ray_cluster):
         ray.kill(a)
 
 
-@NOT_YET
 @pytest.mark.parametrize("mode", ["get", "into", "arg"])
 def test_three_consumers_cost_the_producer_about_one_object(chain, mode):
     p, cs = chain["p"], chain["cs"]
@@ -73,7 +70,6 @@ def test_three_consumers_cost_the_producer_about_one_object(chain, mode):
     assert wait_for(lambda: rdt.stats(p)["objects"] == held, timeout=30)
 
 
-@NOT_YET
 def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
     """c1 asks first and is stopped while it receives; c2 and c3 join behind it; c1 is killed. The consumer behind
     c1 (and through it the last one) falls back to the producer for what they miss: the data arrives bit-exact, or a typed error names the
