@@ -34,7 +34,7 @@ class RdtConfig:
     # relay_min_bytes (RDT_RELAY_MIN_BYTES) are always served directly. A chained consumer whose source sent nothing
     # for relay_stall_timeout seconds times its position in the chain asks the producer instead.
     relay: bool = True
-    relay_min_bytes: int = 4 << 20
+    relay_min_bytes: int = 16 << 20
     relay_stall_timeout: float = 5.0
 
     @classmethod

@@ -16,12 +16,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 CHUNK = 1 << 20  # bytes per relayed message at most, as rdt_transports' pipelined broadcast
+LOOKAHEAD = 8  # chunks a member waits for at once while nobody follows it (fewer wake-ups for a lone consumer)
 
 MODE_RELAY = 1
 REPLY = "!BIIQ"  # mode, source rank, position in the chain (0: fed by the producer), chain id
@@ -78,6 +80,15 @@ class RelayTable:
         self.joined = 0  # consumers appended behind another one (producer side)
         self.fallbacks = 0  # times this consumer asked the producer for what a dead or stalled relay did not send
         self.forward_failures = 0  # forwards to a follower that failed (the follower falls back on its own)
+        self._pollers: Optional[ThreadPoolExecutor] = None
+
+    def pollers(self) -> ThreadPoolExecutor:
+        """Threads that wait, for this process's chained fetches, for the producer to name their followers (each
+        wait ends when the fetch is done receiving, or at its deadline)."""
+        with self._cond:
+            if self._pollers is None:
+                self._pollers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rdt-relay-poll")
+            return self._pollers
 
     # ---------------------------------------------------------------- producer
     def join(self, obj_id: bytes, uid: str, rank: int, tag_base: int,

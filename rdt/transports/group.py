@@ -412,26 +412,30 @@ class _RelayReceive:
         if source == producer and _control.waits_for_go("gloo", self.meta.nbytes):
             extra.append(self.group.backend.isend(torch.ones(1, dtype=torch.uint8), producer,
                                                   make_tag(TAG_OBJECT, tag_base + n)))
-        poll = threading.Thread(target=self._poll, name="rdt-relay-poll", daemon=True)
-        poll.start()
+        poll = self.table.pollers().submit(self._ask_next, False)  # reused threads: nothing to start per fetch
         k = 0
         try:
             while k < n:
+                # With a follower, forward chunk by chunk; until one is named, wake once per LOOKAHEAD chunks
+                # (chunks from one peer complete in order); with none ever, once.
+                upto = k if self.follower is not None else \
+                    n - 1 if self.known.is_set() else min(k + _relay.LOOKAHEAD - 1, n - 1)
                 try:
-                    recvs[k].wait(self._chunk_wait(source, position))
+                    for j in (upto, *range(k, upto)):
+                        recvs[j].wait(self._chunk_wait(source, position))
                 except (CollectiveTimeoutError, CommunicationError) as e:
                     if source == producer:
                         raise
                     recvs = self._resume(source, k, e)
                     source = producer
                     continue
-                self._forward(k + 1)
-                k += 1
+                k = upto + 1
+                self._forward(k)
         finally:
             if not self.known.is_set():  # done (or failed): nobody may join behind us any more (authoritative)
                 self._ask_next(final=True)
         self._forward(n)
-        poll.join(max(self.deadline - time.monotonic(), 0.0))
+        futures_wait([poll], timeout=max(self.deadline - time.monotonic(), 0.0))
         for w in extra:
             w.wait(max(self.deadline - time.monotonic(), 1e-3))
         self._finish_forwards()
@@ -474,11 +478,8 @@ class _RelayReceive:
             raise ObjectFetchError(f"{where} failed: {type(e).__name__}: {e}", object_id=meta.id_hex,
                                    hint="destroy the group and re-form it with live members") from e
 
-    def _poll(self) -> None:
-        """Wait (off the receive loop) for the producer to name our follower."""
-        self._ask_next(final=False)
-
     def _ask_next(self, final: bool) -> None:
+        """Ask the producer whom we forward to: held there until it knows (``final``: we are done receiving)."""
         group, meta = self.group, self.meta
         payload = (meta.obj_id + bytes.fromhex(group.uid)
                    + struct.pack(_relay.NEXT_REQUEST, group.rank, self.cid, _wait_ms(self.deadline), final))
