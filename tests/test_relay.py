@@ -125,3 +125,44 @@ def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
         rdt.destroy_collective_group(group)
         for a in actors:
             ray.kill(a)
+
+
+def test_a_stalled_relay_costs_its_followers_at_most_the_stall_timeout(ray_cluster):
+    """c1 is stopped (alive, stuck) while it receives; c2 and c3 join behind it. The one behind c1 stops waiting
+    after the stall timeout: Gloo cannot cancel a receive without closing its connections, so it either gets the
+    rest from the producer or raises a typed error naming the stalled relay; the one behind it falls back to the
+    producer. Nobody waits for the transfer timeout, and the producer's chain drains once c1 is gone."""
+    p, victim, c2, c3 = actors = [RelayNode.remote() for _ in range(4)]
+    group = rdt.create_collective_group(actors, backend="gloo")
+    value = relay_state(BIG * 2, 6)
+    want = digests(value)
+    del value
+    ray.get([a.configure.remote(transfer_timeout=30.0, relay_stall_timeout=2.0) for a in actors])
+    pid = ray.get(victim.pid.remote())
+    try:
+        ref = p.state.remote(BIG * 2, 6)
+        ray.wait([ref], timeout=60)
+        victim.fetch_at.remote([ref], time.time(), "get")
+        assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
+        os.kill(pid, signal.SIGSTOP)
+        if _relay(p).get("open_tails", 0) == 0:
+            pytest.skip("c1 finished before it could be stopped")
+        t0 = time.monotonic()
+        results = ray.get([c.fetch_at.remote([ref], time.time(), "get", 30.0) for c in (c2, c3)], timeout=60)
+        assert time.monotonic() - t0 < 15  # the stall timeout (2 s per place in the chain), not the 30 s one
+        for r in results:
+            if r[0] == "ok":
+                assert r[1] == want
+            else:
+                assert r[1] in ("ObjectFetchError", "TransferTimeoutError"), r
+                assert "relay rank 1" in r[2] and "producer (rank 0)" in r[2], r
+        assert any(r[0] == "ok" for r in results), results
+        assert sum(_relay(c)["fallbacks"] for c in (c2, c3)) >= 1
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: _relay(p)["chains"] == 0, timeout=40)
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        rdt.destroy_collective_group(group)
+        for a in actors:
+            ray.kill(a)
