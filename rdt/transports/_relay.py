@@ -32,10 +32,11 @@ NEXT_REPLY = "!iI"  # follower rank (-1: none, the member is the tail and closed
 
 
 def chunks(message_sizes: Sequence[int]) -> List[Tuple[int, int, int]]:
-    """(message, start, end) of every relayed chunk: each message cut into pieces of at most CHUNK bytes."""
+    """(message, start, end) of every relayed chunk: each message cut into pieces of at most CHUNK bytes (an empty
+    message has none: nothing to land)."""
     out: List[Tuple[int, int, int]] = []
     for m, size in enumerate(message_sizes):
-        for start in range(0, max(size, 1), CHUNK):
+        for start in range(0, size, CHUNK):
             out.append((m, start, min(start + CHUNK, size)))
     return out
 
