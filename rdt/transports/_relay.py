@@ -132,12 +132,16 @@ class RelayTable:
                 self._close(chain, member)
             return member.follower
 
-    def sent(self, cid: int) -> None:
-        """The producer's sends to chain ``cid``'s head ended (done or failed)."""
+    def sent(self, cid: int, failed: bool = False) -> None:
+        """The producer's sends to chain ``cid``'s head ended; ``failed``: the head died or gave up, so nobody may
+        join behind it any more (a follower would only have to fall back)."""
         with self._cond:
             chain = self._chains.get(cid)
             if chain is not None:
                 chain.sending = False
+                head = next(iter(chain.members.values()))
+                if failed and chain.tail is head and not head.closed:
+                    self._close(chain, head)
                 self._drop_if_done(cid, chain)
 
     def forget(self, obj_id: bytes) -> None:

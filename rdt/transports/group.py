@@ -205,7 +205,7 @@ def _serve_chunks(ctx: Any, entry: Any, group: Any, rank: int, tag_base: int, de
     """Send chunks ``first``.. of the object's relay layout to ``rank`` (a chain's head, or a member whose source
     failed); the head of a large object is sent to once its receives are posted."""
     table = _relay.table(ctx)
-    on_done = (lambda: table.sent(cid)) if cid is not None else None
+    on_done = (lambda failed: table.sent(cid, failed)) if cid is not None else None
     try:
         parts = _relay.split(_packed_sends(entry.flat))
         if first > len(parts):
@@ -222,7 +222,7 @@ def _serve_chunks(ctx: Any, entry: Any, group: Any, rank: int, tag_base: int, de
             ctx.send_waiters.submit(_finish_sends, works, group, sends, deadline, entry.obj_id, rank, on_done)
     except BaseException:
         if cid is not None:
-            table.sent(cid)
+            table.sent(cid, True)
         raise
     return _control.RESP_OK, reply
 
@@ -239,7 +239,7 @@ def _serve_relay_next(ctx: Any, _key_id: int, payload: bytes) -> Any:
 
 
 def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, deadline: float,
-                   obj_id: bytes, on_done: Optional[Callable[[], None]] = None) -> None:
+                   obj_id: bytes, on_done: Optional[Callable[[bool], None]] = None) -> None:
     """Post the object's sends once the consumer says its receives are posted (or give up at its deadline)."""
     try:
         go.wait(max(deadline - time.monotonic(), 1e-3))
@@ -247,18 +247,19 @@ def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, 
     except Exception as e:  # noqa: BLE001 - the consumer timed out or died, or the group was aborted meanwhile
         _send_failed(group, obj_id, rank, e)
         if on_done is not None:
-            on_done()
+            on_done(True)
         return
     _finish_sends(works, group, buffers, deadline, obj_id, rank, on_done)
 
 
 def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], deadline: float, obj_id: bytes,
-                  rank: int, on_done: Optional[Callable[[], None]] = None) -> None:
-    """Wait for posted sends off the control thread; buffers stay referenced until then (then ``on_done``).
+                  rank: int, on_done: Optional[Callable[[bool], None]] = None) -> None:
+    """Wait for posted sends off the control thread; buffers stay referenced until then (then ``on_done(failed)``).
 
     A failed send leaves the group ERRORED here as well (after a timeout the backend is aborted too, so the
     group's other members fail fast): the backend's state is unknown, the next collective must not use it.
     """
+    failed = True
     try:
         for w in works:
             try:
@@ -266,10 +267,11 @@ def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], d
             except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
                 _send_failed(group, obj_id, rank, e)
                 return
+        failed = False
         del keepalive
     finally:
         if on_done is not None:
-            on_done()
+            on_done(failed)
 
 
 
@@ -380,7 +382,8 @@ def _fetch_chained(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: 
     else:
         bufs = block_views(ctx, sizes)
         views = [bufs.span(a, b) for a, b in msgs]
-    _RelayReceive(ctx, meta, group, ref, _relay.split(views), cid, deadline).run(source, position, tag_base)
+    receive = _RelayReceive(ctx, meta, group, ref, _relay.split(views), cid, deadline)
+    _watching_producer(ctx, meta, lambda: receive.run(source, position, tag_base))
     if scatter:
         offsets, _ = padded_offsets(sizes)
         for staging, first, last in scatter:
@@ -407,7 +410,12 @@ class _RelayReceive:
 
     def run(self, source: int, position: int, tag_base: int) -> None:
         producer, n = self.ref.rank, len(self.parts)
-        recvs = self._post(source, tag_base, 0)
+        try:
+            recvs = self._post(source, tag_base, 0)
+        except (CollectiveTimeoutError, CommunicationError) as e:  # our source is already known to be gone
+            if source == producer:
+                raise
+            recvs, source = self._resume(source, 0, e), producer
         extra: List[Any] = []
         if source == producer and _control.waits_for_go("gloo", self.meta.nbytes):
             extra.append(self.group.backend.isend(torch.ones(1, dtype=torch.uint8), producer,
@@ -459,10 +467,6 @@ class _RelayReceive:
         logger.warning("rdt: group=%s rank=%d: relay rank %d failed at chunk %d/%d of object %s (%s); asking the "
                        "producer (rank %d) for the rest", group.name, group.rank, relay, k, len(self.parts),
                        meta.id_hex, cause, producer)
-        group._mark_errored(CommunicationError(
-            f"relay rank {relay} failed while forwarding object {meta.id_hex[:16]}: {cause}", group=group.name,
-            rank=group.rank, peer=relay, op="object relay", object_id=meta.id_hex,
-            hint="a member of the group died or stalled; destroy the group on every member and create it again"))
         where = (f"{meta.describe()} in group {group.name!r}: relay rank {relay} failed at chunk {k} ({cause}), and "
                  f"asking the producer (rank {producer}) for the rest")
         tag_base = self.ctx.next_tags(group.uid, len(self.parts) + 1)
@@ -472,9 +476,14 @@ class _RelayReceive:
             control_request(self.ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP,
                             group.backend.config.secret, payload, max(self.deadline - time.monotonic(), 1e-3))
             return self._post(producer, tag_base, k)
-        except TimeoutError as e:
-            raise TimeoutError(f"{where} timed out: {e}") from e
         except Exception as e:  # noqa: BLE001 - typed: the dead relay, the producer and the object are named
+            # Our side of the group is broken now (a stall timeout makes Gloo close this rank's connections).
+            group._mark_errored(CommunicationError(
+                f"relay rank {relay} failed while forwarding object {meta.id_hex[:16]}: {cause}", group=group.name,
+                rank=group.rank, peer=relay, op="object relay", object_id=meta.id_hex,
+                hint="a member died or stalled; destroy the group on every member and create it again"))
+            if isinstance(e, TimeoutError):
+                raise TimeoutError(f"{where} timed out: {e}") from e
             raise ObjectFetchError(f"{where} failed: {type(e).__name__}: {e}", object_id=meta.id_hex,
                                    hint="destroy the group and re-form it with live members") from e
 
@@ -526,6 +535,8 @@ class _RelayReceive:
         rank = self.follower[0] if self.follower is not None else -1
         logger.warning("rdt: group=%s rank=%d: forwarding object %s to rank %d failed: %s", self.group.name,
                        self.group.rank, self.meta.id_hex, rank, e)
+        if not isinstance(e, TimeoutError):
+            return  # the follower died: our connections to the others are fine (as for a producer's consumer)
         self.group._mark_errored(CommunicationError(
             f"forwarding object {self.meta.id_hex[:16]} to rank {rank} failed: {e}", group=self.group.name,
             rank=self.group.rank, peer=rank, op="object relay", object_id=self.meta.id_hex,
@@ -542,7 +553,13 @@ def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadli
         for w in works:
             w.wait(max(deadline - time.monotonic(), 1e-3))
 
-    future = ctx.waiters.submit(wait_all)
+    _watching_producer(ctx, meta, wait_all)
+
+
+def _watching_producer(ctx: Any, meta: ObjectMeta, receive: Callable[[], None]) -> None:
+    """Run ``receive`` (bounded by the fetch's deadline) on a waiter thread, checking every half second that the
+    producer lives: ProducerDiedError at once when it is gone, whatever the receive is blocked on."""
+    future = ctx.waiters.submit(receive)
     while not futures_wait([future], timeout=0.5).done:
         if not producer_alive(ctx, meta, ping_timeout=0.5):
             raise died(meta, ConnectionError("the producer died during the transfer"))
