@@ -357,6 +357,9 @@ class RdtContext:
             self._server.close()  # no new requests from here on
         self.waiters.shutdown(wait=False, cancel_futures=True)
         self.send_waiters.shutdown(wait=False, cancel_futures=True)
+        relay = self.peek_transport_state("relay")
+        if relay is not None:
+            relay.close()  # answers held polls (ours as producer) and stops the next-hop pollers
         try:
             self.table.clear()
         except Exception:

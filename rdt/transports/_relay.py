@@ -175,6 +175,16 @@ class RelayTable:
             if tail is not None and not tail.closed and tail.deadline <= now:
                 self._close(chain, tail)
 
+    def close(self) -> None:
+        """At shutdown: close every tail (held polls are answered) and stop the poller threads (not waiting)."""
+        with self._cond:
+            for chain in list(self._chains.values()):
+                if chain.tail is not None and not chain.tail.closed:
+                    self._close(chain, chain.tail)
+            pollers, self._pollers = self._pollers, None
+        if pollers is not None:
+            pollers.shutdown(wait=False, cancel_futures=True)
+
     # ---------------------------------------------------------------- both
     def add(self, counter: str, n: int = 1) -> None:
         with self._cond:
