@@ -110,8 +110,14 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 
 
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
-              pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None) -> None:
-    """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide)."""
+              pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None, relay: Optional[bool] = None,
+              relay_min_bytes: Optional[int] = None, relay_stall_timeout: Optional[float] = None) -> None:
+    """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide).
+
+    ``relay``/``relay_min_bytes``: whether consumers of one gloo object are chained (each forwards to the next, so
+    the producer sends it about once), and from what size; a consumer and its producer both have to allow it.
+    ``relay_stall_timeout``: seconds (times its place in the chain) a chained consumer waits for a chunk from the
+    consumer before it, then asks the producer."""
     from ._context import get_context
 
     ctx = get_context()
@@ -141,4 +147,20 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"shm_cma must be True or False, got {shm_cma!r}",
                                        hint="pass rdt.configure(shm_cma=False) to move shm objects through segments")
         changes["shm_cma"] = shm_cma
+    if relay is not None:
+        if not isinstance(relay, bool):
+            raise InvalidArgumentError(f"relay must be True or False, got {relay!r}",
+                                       hint="pass rdt.configure(relay=False) to serve every consumer from the producer")
+        changes["relay"] = relay
+    if relay_min_bytes is not None:
+        if isinstance(relay_min_bytes, bool) or not isinstance(relay_min_bytes, int) or relay_min_bytes < 0:
+            raise InvalidArgumentError(f"relay_min_bytes must be an int >= 0 (bytes), got {relay_min_bytes!r}",
+                                       hint="pass e.g. rdt.configure(relay_min_bytes=16 << 20)")
+        changes["relay_min_bytes"] = relay_min_bytes
+    if relay_stall_timeout is not None:
+        if isinstance(relay_stall_timeout, bool) or not isinstance(relay_stall_timeout, (int, float)) \
+                or not relay_stall_timeout > 0:
+            raise InvalidArgumentError(f"relay_stall_timeout must be a number of seconds > 0, got "
+                                       f"{relay_stall_timeout!r}", hint="pass e.g. rdt.configure(relay_stall_timeout=5.0)")
+        changes["relay_stall_timeout"] = float(relay_stall_timeout)
     ctx.config = ctx.config.updated(**changes)

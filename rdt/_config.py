@@ -29,6 +29,13 @@ class RdtConfig:
     # Same-node "shm"/"auto" objects: consumers read the producer's memory directly (process_vm_readv) where the
     # kernel allows it; off (RDT_SHM_CMA=0), producers write a shared-memory segment instead.
     shm_cma: bool = True
+    # Fan-out over gloo: consumers of one object that ask while another still receives are chained behind it, so the
+    # producer sends the object about once (RDT_RELAY=0: every consumer is served by the producer). Objects under
+    # relay_min_bytes (RDT_RELAY_MIN_BYTES) are always served directly. A chained consumer whose source sent nothing
+    # for relay_stall_timeout seconds times its position in the chain asks the producer instead.
+    relay: bool = True
+    relay_min_bytes: int = 16 << 20
+    relay_stall_timeout: float = 5.0
 
     @classmethod
     def from_env(cls) -> "RdtConfig":
@@ -38,6 +45,9 @@ class RdtConfig:
             pool_bytes=int(_env_float("RDT_POOL_BYTES", cls.pool_bytes)),
             pool_ttl=_env_float("RDT_POOL_TTL_S", cls.pool_ttl),
             shm_cma=os.environ.get("RDT_SHM_CMA", "1") != "0",
+            relay=os.environ.get("RDT_RELAY", "1") != "0",
+            relay_min_bytes=int(_env_float("RDT_RELAY_MIN_BYTES", cls.relay_min_bytes)),
+            relay_stall_timeout=_env_float("RDT_RELAY_STALL_S", cls.relay_stall_timeout),
         )
 
     def updated(self, **changes: object) -> "RdtConfig":

@@ -31,6 +31,7 @@ from ._meta import GroupRef, ObjectMeta, ProducerInfo
 from ._peer import err
 from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
 from ._table import Entry, ObjectTable
+from .transports import _relay
 
 logger = logging.getLogger("rdt")
 
@@ -235,7 +236,13 @@ class RdtContext:
                           "misses": self.buffers.misses},
             "control_rejected": self._server.rejected if self._server is not None else 0,
             "exported_storages": self.exported_storages(),
+            "relay": self._relay_stats(),
         }
+
+    def _relay_stats(self) -> Dict[str, int]:
+        """Fan-out over groups: bytes served as producer and forwarded as relay, live chains (see transports._relay)."""
+        state = self.peek_transport_state("relay")
+        return state.snapshot() if state is not None else dict(_relay.EMPTY_STATS)
 
     def exported_storages(self) -> Dict[str, int]:
         """Storages this process keeps exported for live objects (NIXL registrations, CUDA IPC shares), per
@@ -350,6 +357,9 @@ class RdtContext:
             self._server.close()  # no new requests from here on
         self.waiters.shutdown(wait=False, cancel_futures=True)
         self.send_waiters.shutdown(wait=False, cancel_futures=True)
+        relay = self.peek_transport_state("relay")
+        if relay is not None:
+            relay.close()  # answers held polls (ours as producer) and stops the next-hop pollers
         try:
             self.table.clear()
         except Exception:

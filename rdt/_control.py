@@ -39,11 +39,13 @@ _CHUNK = 4 << 20  # bytes per socket call when streaming an object's bytes
 
 # message types
 REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_base(u32) consumer_wait_ms(u32)
+#                      flags(u8) [first_chunk(u32) when resuming]; answer: empty, or how a chained fetch is fed
 REQ_PREPARE_SHM = 2  # payload: obj_id(16)
 REQ_PREPARE_NIXL = 3  # payload: obj_id(16)
 REQ_PING = 4
 REQ_FETCH_BYTES = 5  # payload: obj_id(16) timeout_ms(u32); answer: n(u32) sizes(u64 * n), then the raw bytes
 REQ_STATS = 6  # answer: the process's rdt.stats() as UTF-8 JSON
+REQ_RELAY_NEXT = 7  # payload: obj_id(16) group_uid(16) rank(u32) chain(u64) wait_ms(u32) final(u8); whom to forward to
 RESP_OK = 100
 RESP_ERR = 101  # payload: code(u16) utf-8 message
 

@@ -148,6 +148,33 @@ def test_objects_cross_the_link(net, peers):
     assert seen == {label: {want[label]: 1} for label in seen}, seen  # auto never chose shm or CUDA IPC
 
 
+def test_fan_out_costs_the_producers_link_one_object(net, peers):
+    """A 64 MiB gloo object on n1 fetched at once by n2 and the head: the consumers are chained, so n1's link
+    carries it once (n1's outbound counter grows by less than 1.5x the object), and both get it intact."""
+    p1, p2, head = peers["n1"], peers["n2"], peers["head"]
+    nbytes = 64 * MiB
+    n1, _ = net.nodes
+    group = rdt.create_collective_group([p1, p2, head], backend="gloo", name="netns-fanout")
+    try:
+        ref = p1.make_gloo.remote(21, nbytes)
+        ray.wait([ref], timeout=60, fetch_local=False)
+        before, served = n1.counters(), ray.get(p1.stats.remote(), timeout=60)["relay"]["served_bytes"]
+        t0 = time.monotonic()
+        got = ray.get([c.digest.remote(ref) for c in (p2, head)], timeout=120)
+        elapsed = time.monotonic() - t0
+        assert got == [(21, expected_checksum(21, nbytes))] * 2
+        out = n1.counters()["out"] - before["out"]
+        served = ray.get(p1.stats.remote(), timeout=60)["relay"]["served_bytes"] - served
+        relayed = sum(ray.get(c.stats.remote(), timeout=60)["relay"]["relayed_bytes"] for c in (p2, head))
+        print(f"fan-out: 64 MiB n1 -> n2 + head in {elapsed:.2f} s; n1 sent {out / MiB:.1f} MiB, "
+              f"served {served / MiB:.1f} MiB, relayed {relayed / MiB:.1f} MiB")
+        assert nbytes <= out < 1.5 * nbytes, out
+        assert served < 1.5 * nbytes and relayed >= nbytes, (served, relayed)
+        del ref
+    finally:
+        group.destroy(timeout=30)
+
+
 COLLECTIVE_OPS = ["send", "broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter",
                   "alltoall", "barrier"]  # with recv (the other side of send): every collective rdt_transports has
 

@@ -364,7 +364,8 @@ def test_control_server_never_unpickles_payloads(ray_cluster, tmp_path, pickle_s
     ctx = get_context()  # the real handlers, in a server of our own
     srv = _control.ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
     try:
-        for msg in (_control.REQ_FETCH_GROUP, _control.REQ_PREPARE_SHM, _control.REQ_PREPARE_NIXL):
+        for msg in (_control.REQ_FETCH_GROUP, _control.REQ_PREPARE_SHM, _control.REQ_PREPARE_NIXL,
+                    _control.REQ_RELAY_NEXT):
             for payload in (evil, evil[:16], b"\0" * 16 + evil, evil + b"\0" * 40):
                 resp_type, resp = _valid_ping(srv.address, ctx.process_key, payload=payload, msg_type=msg)
                 assert resp_type == _control.RESP_ERR  # not found / malformed, answered in binary
@@ -420,7 +421,8 @@ def test_real_actor_control_server(pair, tmp_path) -> None:
     for data in bad.values():
         assert send_raw(address, data) == b""
     # evil payloads with the right key: answered (object not found), never unpickled
-    for msg in (_control.REQ_PREPARE_SHM, _control.REQ_FETCH_GROUP, _control.REQ_PREPARE_NIXL):
+    for msg in (_control.REQ_PREPARE_SHM, _control.REQ_FETCH_GROUP, _control.REQ_PREPARE_NIXL,
+                _control.REQ_RELAY_NEXT):
         assert _valid_ping(address, key, payload=evil, msg_type=msg)[0] == _control.RESP_ERR
     assert _valid_ping(address, key) == (_control.RESP_OK, b"")
 
@@ -577,6 +579,14 @@ def test_group_secrets_distinct_and_not_in_metadata(pair) -> None:
                         timeout=20)
         resp_type, resp = _valid_ping(address, s1, _control.KEY_GROUP, payload, _control.REQ_FETCH_GROUP)
         assert resp_type == _control.RESP_ERR and struct.unpack("!H", resp[:2])[0] == _control.ERR_NOT_FOUND
+        # whom a chained consumer forwards to: asked with the group's secret only, answered from the producer's
+        # own chain table only (an unknown chain: nobody)
+        nxt = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!IQIB", 1, 12345, 10, 0)  # rank, chain, ms, final
+        assert send_raw(address, frame(_control.REQ_RELAY_NEXT, _control.KEY_GROUP, s2, nxt)) == b""
+        assert wait_for(lambda: ray.get(a.__ray_call__.remote(_actor_control), timeout=30)[2] == rejected0 + 2,
+                        timeout=20)
+        assert _valid_ping(address, s1, _control.KEY_GROUP, nxt, _control.REQ_RELAY_NEXT) == \
+            (_control.RESP_OK, struct.pack("!iI", -1, 0))
     finally:
         h1.destroy(timeout=30)
         h2.destroy(timeout=30)

@@ -1,0 +1,83 @@
+"""Actors for the fan-out (relay) tests: a producer of a weight-sync-like state dict and consumers that fetch it
+at an agreed wall-clock moment, so that several requests reach the producer together."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any, Dict, List, Tuple
+
+import ray
+import torch
+
+import rdt
+
+
+def relay_state(big: int, seed: int) -> Dict[str, torch.Tensor]:
+    """A state dict of three large float32 tensors (``big`` elements each, several chunks) and 40 small ones of
+    mixed dtypes (they travel packed), deterministic in ``seed``: every byte can be checked on arrival."""
+    g = torch.Generator().manual_seed(seed)
+    out: Dict[str, torch.Tensor] = {}
+    for i in range(40):
+        n = 1000 + 997 * i
+        t = torch.randn(n, generator=g)
+        out[f"small.{i}"] = t.to(torch.bfloat16) if i % 3 == 0 else (t * 100).to(torch.int32) if i % 3 == 1 else t
+        if i % 13 == 5:
+            out[f"big.{i // 13}"] = torch.randn(big, generator=g)
+    out["odd"] = torch.randint(0, 255, (big // 7 + 3,), dtype=torch.uint8, generator=g)  # not a chunk multiple
+    return out
+
+
+def digests(value: Dict[str, torch.Tensor]) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
+    """Per tensor: dtype, shape and the SHA-256 of its bytes."""
+    return {k: (str(v.dtype), tuple(v.shape), hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes())
+                .hexdigest()) for k, v in value.items()}
+
+
+def nbytes(value: Dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in value.values())
+
+
+@ray.remote(num_cpus=0)
+class RelayNode:
+    """Produces the state dict over gloo; consumes it with rdt.get (plain or into targets) or as an argument."""
+
+    @rdt.tensor_method(tensor_transport="gloo")
+    def state(self, big: int, seed: int) -> Dict[str, torch.Tensor]:
+        return relay_state(big, seed)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> str:
+        return rdt.__file__
+
+    def configure(self, **kw: Any) -> None:
+        rdt.configure(**kw)
+
+    def stats(self) -> Dict[str, Any]:
+        return rdt.stats()
+
+    def fetch_at(self, refs: List[Any], start: float, mode: str, timeout: float = 60.0) -> Any:
+        """At wall-clock ``start``, fetch ``refs[0]`` (mode "get" or "into"); the digests, or the typed error."""
+        time.sleep(max(0.0, start - time.time()))
+        t0 = time.monotonic()
+        try:
+            if mode == "into":
+                like = {k: torch.empty(s, dtype=getattr(torch, d.split(".")[-1]))
+                        for k, (d, s, _) in self._shapes.items()}
+                value = rdt.get(refs[0], into=like, timeout=timeout)
+                assert all(value[k] is like[k] for k in like), "into: the leaves are not the targets"
+            else:
+                value = rdt.get(refs[0], timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - the test inspects the error
+            return ("err", type(e).__name__, str(e), time.monotonic() - t0)
+        return ("ok", digests(value), time.monotonic() - t0)
+
+    def expect(self, shapes: Dict[str, Any]) -> None:
+        """The dtypes and shapes ``fetch_at(mode="into")`` allocates targets for."""
+        self._shapes = shapes
+
+    def digest_arg(self, value: Dict[str, torch.Tensor]) -> Any:
+        return ("ok", digests(value), 0.0)

@@ -1,0 +1,168 @@
+"""Fan-out over a gloo group: one ref fetched by several consumers at once costs the producer about one object.
+
+Real parts only: Ray actors on the shared local cluster, a real Gloo group, real processes stopped and killed.
+Consumers that ask while another is still receiving are chained (producer -> c1 -> c2 -> ...), each forwarding
+chunk k before waiting for chunk k+1; a relay that dies makes the consumers behind it fall back to the producer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+import rdt
+from rdt._shm import pid_alive
+
+from ._relay_actors import RelayNode, digests, nbytes, relay_state
+from .conftest import wait_for
+
+BIG = 6 << 20  # float32 elements per large tensor: the object is about 75 MiB
+
+
+def _relay(actor) -> dict:
+    return rdt.stats(actor).get("relay", {})
+
+
+def _shapes(value):
+    return {k: (str(v.dtype), tuple(v.shape), "") for k, v in value.items()}
+
+
+@pytest.fixture(scope="module")
+def chain(ray_cluster):
+    """p (producer) and c1..c3 (consumers) in one gloo group; the expected digests of the state dict."""
+    actors = [RelayNode.remote() for _ in range(4)]
+    where = ray.get([a.where.remote() for a in actors])
+    assert all(w == rdt.__file__ for w in where), where  # the actors run this checkout's rdt
+    group = rdt.create_collective_group(actors, backend="gloo")
+    value = relay_state(BIG, 3)
+    ray.get([a.expect.remote(_shapes(value)) for a in actors[1:]])
+    yield {"p": actors[0], "cs": actors[1:], "group": group, "digests": digests(value), "nbytes": nbytes(value)}
+    rdt.destroy_collective_group(group)
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("mode", ["get", "into", "arg"])
+def test_three_consumers_cost_the_producer_about_one_object(chain, mode):
+    p, cs = chain["p"], chain["cs"]
+    held = rdt.stats(p)["objects"]
+    ref = p.state.remote(BIG, 3)
+    ray.wait([ref], timeout=60)
+    before = _relay(p).get("served_bytes", 0)
+    if mode == "arg":
+        calls = [c.digest_arg.remote(ref) for c in cs]
+    else:
+        start = time.time() + 1.0  # every consumer asks at this moment
+        calls = [c.fetch_at.remote([ref], start, mode) for c in cs]
+    results = ray.get(calls, timeout=120)
+    for r in results:
+        assert r[0] == "ok", r
+        assert r[1] == chain["digests"]  # bit-exact, every tensor, every consumer
+    served = _relay(p)["served_bytes"] - before
+    assert 0 < served < 1.5 * chain["nbytes"], (served, chain["nbytes"])
+    assert sum(_relay(c).get("relayed_bytes", 0) for c in cs) > 0
+    assert wait_for(lambda: _relay(p)["chains"] == 0, timeout=30)  # the serve state drains
+    del ref
+    assert wait_for(lambda: rdt.stats(p)["objects"] == held, timeout=30)
+
+
+def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
+    """c1 asks first and is stopped while it receives; c2 and c3 join behind it; c1 is killed. The consumer behind
+    c1 (and through it the last one) falls back to the producer for what they miss: the data arrives bit-exact, or a typed error names the
+    dead relay, within the timeout; nobody hangs and the producer's serve state drains."""
+    p, victim, c2, c3 = actors = [RelayNode.remote() for _ in range(4)]
+    group = rdt.create_collective_group(actors, backend="gloo")
+    value = relay_state(BIG * 2, 5)
+    want, total = digests(value), nbytes(value)
+    del value
+    ray.get([a.configure.remote(transfer_timeout=30.0) for a in actors])
+    pid = ray.get(victim.pid.remote())
+    try:
+        ref = p.state.remote(BIG * 2, 5)
+        ray.wait([ref], timeout=60)
+        stopped = False
+        for _ in range(3):  # bounded: c1 must still be receiving when it is stopped
+            chains = _relay(p).get("chains", 0)
+            first = victim.fetch_at.remote([ref], time.time(), "get")
+            assert wait_for(lambda: _relay(p).get("chains", 0) > chains, timeout=30, interval=0.002)
+            os.kill(pid, signal.SIGSTOP)
+            if _relay(p).get("open_tails", 0) > 0:  # c1 did not finish before it was stopped
+                stopped = True
+                break
+            os.kill(pid, signal.SIGCONT)
+            assert ray.get(first, timeout=60)[0] == "ok"
+            assert wait_for(lambda: _relay(p).get("chains", 0) == 0, timeout=30)
+        assert stopped, "c1 finished every time before it could be stopped; use a larger object"
+        joined = _relay(p).get("joined", 0)
+        start = time.time()
+        calls = [c.fetch_at.remote([ref], start, "get", 30.0) for c in (c2, c3)]
+        assert wait_for(lambda: _relay(p).get("joined", 0) >= joined + 2, timeout=30, interval=0.01)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        results = ray.get(calls, timeout=60)
+        assert time.monotonic() - t0 < 35  # within the consumers' timeout, nobody hangs
+        for r in results:
+            if r[0] == "ok":
+                assert r[1] == want
+            else:  # a typed error that names the dead relay's rank
+                assert r[1] in ("ObjectFetchError", "TransferTimeoutError"), r
+                assert "rank 1" in r[2], r
+        assert any(r[0] == "ok" for r in results), results  # c2's fallback to the producer works
+        assert sum(_relay(c)["fallbacks"] for c in (c2, c3)) >= 1  # the one behind c1 asked the producer
+        served = _relay(p)["served_bytes"]
+        assert served < 3 * total, (served, total)
+        assert wait_for(lambda: _relay(p)["chains"] == 0, timeout=40)
+        del ref
+        assert wait_for(lambda: rdt.stats(p)["objects"] == 0, timeout=30)
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        rdt.destroy_collective_group(group)
+        for a in actors:
+            ray.kill(a)
+
+
+def test_a_stalled_relay_costs_its_followers_at_most_the_stall_timeout(ray_cluster):
+    """c1 is stopped (alive, stuck) while it receives; c2 and c3 join behind it. The one behind c1 stops waiting
+    after the stall timeout: Gloo cannot cancel a receive without closing its connections, so it either gets the
+    rest from the producer or raises a typed error naming the stalled relay; the one behind it falls back to the
+    producer. Nobody waits for the transfer timeout, and the producer's chain drains once c1 is gone."""
+    p, victim, c2, c3 = actors = [RelayNode.remote() for _ in range(4)]
+    group = rdt.create_collective_group(actors, backend="gloo")
+    value = relay_state(BIG * 2, 6)
+    want = digests(value)
+    del value
+    ray.get([a.configure.remote(transfer_timeout=30.0, relay_stall_timeout=2.0) for a in actors])
+    pid = ray.get(victim.pid.remote())
+    try:
+        ref = p.state.remote(BIG * 2, 6)
+        ray.wait([ref], timeout=60)
+        victim.fetch_at.remote([ref], time.time(), "get")
+        assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
+        os.kill(pid, signal.SIGSTOP)
+        if _relay(p).get("open_tails", 0) == 0:
+            pytest.skip("c1 finished before it could be stopped")
+        t0 = time.monotonic()
+        results = ray.get([c.fetch_at.remote([ref], time.time(), "get", 30.0) for c in (c2, c3)], timeout=60)
+        assert time.monotonic() - t0 < 15  # the stall timeout (2 s per place in the chain), not the 30 s one
+        for r in results:
+            if r[0] == "ok":
+                assert r[1] == want
+            else:
+                assert r[1] in ("ObjectFetchError", "TransferTimeoutError"), r
+                assert "relay rank 1" in r[2] and "producer (rank 0)" in r[2], r
+        assert any(r[0] == "ok" for r in results), results
+        assert sum(_relay(c)["fallbacks"] for c in (c2, c3)) >= 1
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: _relay(p)["chains"] == 0, timeout=40)
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        rdt.destroy_collective_group(group)
+        for a in actors:
+            ray.kill(a)
