@@ -86,11 +86,15 @@ class P2POp(Op):
         self.buffers.append(buf)
         return request
 
-    def reply(self, kind: int) -> None:
-        """Send ACK/NACK for this tag; nobody waits for its completion."""
+    def reply(self, kind: int) -> Any:
+        """Send ACK/NACK for this tag. A NACK is left to complete in the background (the operation fails now);
+        an ACK is returned, and the receive ends only when it is out (it needs progress over tcp)."""
         buf = bytearray(CTL.pack(kind, self.dcode, 0, self.tag, self.nbytes, 0))
-        self.backend._engine.background(self.backend._raw_send(self.state, buf, REPLY_TAG | self.tag))
+        request = self.backend._raw_send(self.state, buf, REPLY_TAG | self.tag)
         self.buffers.append(buf)
+        if kind != ACK:
+            self.backend._engine.background(request)
+        return request
 
     def mismatch(self, their_nbytes: int, their_dcode: int) -> BaseException:
         return self.backend._mismatch(self.kind, self.peer, self.tag, self.nbytes, self.dcode, their_nbytes,
@@ -120,7 +124,7 @@ class SendOp(P2POp):
 
     def step(self) -> None:
         if self.data_req is not None:
-            if self.data_req.completed:
+            if _all_done(self.reqs):
                 self.finish()
             return
         if not self.reply_req.completed:
@@ -129,12 +133,14 @@ class SendOp(P2POp):
         if kind != ACK:
             raise self.mismatch(their_nbytes, their_dcode)
         if self.inline or not self.nbytes:
-            self.finish()
+            if _all_done(self.reqs):
+                self.finish()
+            else:
+                self.data_req = self.reqs[-1]  # the header (with the payload) is still going out
             return
         self.data_req = self.send(self.backend._byte_view(self.tensor), self.tag)
         self.reqs.append(self.data_req)
-        if self.data_req.completed:
-            self.data_req.check_error()
+        if _all_done(self.reqs):
             self.finish()
 
 
@@ -151,7 +157,7 @@ class RecvOp(P2POp):
 
     def step(self) -> None:
         if self.data_req is not None:
-            if self.data_req.completed:
+            if _all_done(self.reqs):
                 self.finish()
             return
         if not self.head_req.completed:
@@ -160,16 +166,22 @@ class RecvOp(P2POp):
         if kind != HDR or their_nbytes != self.nbytes or (self.dcode and their_dcode and their_dcode != self.dcode):
             self.reply(NACK)
             raise self.mismatch(their_nbytes, their_dcode)
-        if flags & INLINE:
+        if flags & INLINE or not self.nbytes:
             if self.nbytes:
                 self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
-            self.reply(ACK)
-            self.finish()
-            return
-        if not self.nbytes:
-            self.reply(ACK)
-            self.finish()
-            return
-        self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
+            self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
+        else:
+            self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
+            self.reqs.append(self.reply(ACK))
         self.reqs.append(self.data_req)
-        self.reply(ACK)
+        if _all_done(self.reqs):
+            self.finish()
+
+
+def _all_done(requests: List[Any]) -> bool:
+    """True when every request completed; raises the first one's error."""
+    if not all(r.completed for r in requests):
+        return False
+    for r in requests:
+        r.check_error()
+    return True

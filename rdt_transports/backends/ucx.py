@@ -255,6 +255,7 @@ class _Peer:
         self.transports = ""  # what UCX chose for the endpoint, e.g. "sysv+posix+cma" or "tcp"
         self.send_key: Optional[bytes] = None  # worker-address endpoints: keys of the pair's wire tags
         self.recv_key: Optional[bytes] = None
+        self.tags: Dict[Tuple[bool, int], Any] = {}  # (send, sub-tag) -> UCX tag on this pair (engine lock held)
         self.pidfd: Optional[int] = None  # watches a same-node peer's process (no UCX error handling there)
         self.dead: "asyncio.Future[None]" = loop.create_future()  # resolved by _fail_peer (error in .error)
 
@@ -852,9 +853,17 @@ class UcxBackend(Backend):
     def _wire(self, state: _Peer, subtag: int, send: bool) -> Any:
         """The UCX tag that carries ``subtag`` on this pair: keyed on worker-address pairs, hashed with the
         endpoint's random tag (as ucxx does) on listener pairs."""
-        if state.send_key is not None:
-            return _UCXXTag(_wire_tag(state.send_key if send else state.recv_key, subtag))
-        return _UCXXTag(_hash64bits(state.ep._tags["msg_send" if send else "msg_recv"], hash(subtag)))
+        cache = state.tags
+        tag = cache.get((send, subtag))
+        if tag is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            if state.send_key is not None:
+                tag = _UCXXTag(_wire_tag(state.send_key if send else state.recv_key, subtag))
+            else:
+                tag = _UCXXTag(_hash64bits(state.ep._tags["msg_send" if send else "msg_recv"], hash(subtag)))
+            cache[(send, subtag)] = tag
+        return tag
 
     def _raw_send(self, state: _Peer, buf: Any, subtag: int) -> Any:
         """Post a tag send on the pair (engine lock held); returns the ucxx request."""
@@ -872,8 +881,11 @@ class UcxBackend(Backend):
 
     @staticmethod
     def _host_bytes(tensor: torch.Tensor) -> memoryview:
-        """The bytes of a host tensor, without a copy."""
-        return memoryview(_byte_view(tensor))
+        """The bytes of a contiguous host tensor, without a copy (numpy's view is the fast way when it has one)."""
+        try:
+            return memoryview(tensor.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # bfloat16 and friends, 0-d: through a uint8 view
+            return memoryview(_byte_view(tensor))
 
     @staticmethod
     def _fill(tensor: torch.Tensor, data: memoryview) -> None:
@@ -881,7 +893,7 @@ class UcxBackend(Backend):
         if tensor.is_cuda:
             tensor.detach().reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         else:
-            memoryview(_byte_view(tensor))[:] = data
+            UcxBackend._host_bytes(tensor)[:] = data
 
     def _mismatch(self, op: str, peer: int, tag: int, nbytes: int, dcode: int, their_nbytes: int,
                   their_dcode: int) -> TensorMismatchError:
