@@ -31,31 +31,28 @@ matches a control or user receive. Bad MACs, wrong-size hellos and duplicates ar
 (death -> PeerUnavailableError) and sends BYE on abort/shutdown. ``describe()`` / ``transports()`` report per peer
 which path was taken and which transports UCX put on the endpoint's lanes (read with ``ucp_ep_print_info``).
 
-Transfer protocol, matched on (peer, tag) so posting order does not matter:
+Transfer protocol (``_ucx_ops``), matched on (peer, tag) so posting order does not matter: the sender sends a
+header HDR(tag, nbytes, dtype code) on the tag's own header tag, with the payload inside when it is a host tensor of
+at most 64 KiB; the receiver checks size and dtype and answers ACK or NACK on the tag's reply tag (NACK: both sides
+raise TensorMismatchError, the receiver's tensor untouched). Larger payloads follow on ``tag`` only after the ACK,
+straight into the user's buffer, which keeps a sender from ever blocking on a receiver that will not take them
+and keeps them out of UCX's unexpected-message queue.
 
-1. the sender sends a control header HDR(tag, nbytes, dtype code) on the pair's control tag;
-2. a per-endpoint reader task hands it to the irecv waiting for that tag (or keeps it until that irecv is
-   posted); the receiver compares size and dtype, and on mismatch answers NACK (both sides then raise
-   TensorMismatchError), otherwise posts the payload receive straight into the user's buffer (UCX tag
-   ``tag``, no staging copy) and answers ACK;
-3. on ACK the sender sends the payload; both Works complete when UCX completes the payload requests.
-
-The extra round trip keeps a sender from ever blocking on a receiver that will not take its payload, and
-keeps payloads out of UCX's unexpected-message queue.
-
-Threading: each backend owns a UCX context + worker (ucxx ``thread`` progress mode with Python futures, so
-idle waits do not spin) and one asyncio event loop in a daemon thread. ``isend``/``irecv`` may be called from
-any thread; they submit coroutines with ``asyncio.run_coroutine_threadsafe``.
+Threading and progress (``_ucx_progress``): the worker runs in UCX blocking mode with no UCX progress thread and
+no ucxx Python futures. A thread waiting on a Work progresses the worker itself, advances every pending operation
+and sleeps on the worker's epoll fd between events; a pump thread does the same while nobody waits (handshakes,
+control messages, operations nobody waits on). The asyncio loop thread runs connection set-up, handshakes, the
+listener and the pidfd watch; its UCX requests are completed by the same engine. ``isend``/``irecv`` may be called
+from any thread; UCX submission and progress happen under one lock, sleeping outside it.
 
 Environment: ucxx picks transports from ``UCX_*`` variables (the tests set only ``UCX_NET_DEVICES=lo``; nothing
 restricts ``UCX_TLS``). Measured on the 2-core CI machine (UCX 1.21, ucxx 0.52; rdt-bench p2p, two actors on one
 node, medians of 3 runs each): same-node worker-address endpoints get ``sysv+posix+cma``, 4.5-5.1 GB/s at
 128 MiB and 3.9-4.7 GB/s at 16 MiB; listener endpoints (``RDT_UCX_SAME_NODE=0``, as across nodes) get ``tcp``,
-1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer takes 0.95-1.45 ms either way: each UCX completion crosses UCX's
-progress thread, ucxx's notifier thread and our event loop before the caller's thread sees it (raw ucxx
-ping-pong in this progress mode: ~230 us one way), and sending small payloads without waiting for the ACK did
-not change it measurably. CUDA tensors are passed through ``__cuda_array_interface__``; the current stream
-is synchronised when an operation is posted. The CUDA path has not been tested (no GPU here).
+1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer took 0.95-1.45 ms while completions crossed UCX's progress thread,
+ucxx's notifier thread and an event loop; for progress in the waiting thread see docs/benchmarks.md. CUDA
+tensors are passed through ``__cuda_array_interface__``; the current stream is synchronised when an operation is
+posted. The CUDA path has not been tested (no GPU here).
 """
 
 from __future__ import annotations
@@ -602,7 +599,8 @@ class UcxBackend(Backend):
             return
         try:
             nonce = os.urandom(_NONCE)
-            await asyncio.wait_for(self._io(ep, bytearray(nonce), _HS_TAG_CHALLENGE, True, False), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(nonce), _HS_TAG_CHALLENGE, True, False),
+                                   self._handshake_timeout)
             buf = bytearray(_RESPONSE.size)
             await asyncio.wait_for(self._io(ep, buf, _HS_TAG_RESPONSE, False, False), self._handshake_timeout)
             client, client_nonce, mac = _RESPONSE.unpack(bytes(buf))
@@ -624,7 +622,8 @@ class UcxBackend(Backend):
             return
         try:
             reply = _RANK.pack(1) + self._server_mac(client_nonce, self.config.rank, client)
-            await asyncio.wait_for(self._io(ep, bytearray(reply), _HS_TAG_CONFIRM, True, False), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(reply), _HS_TAG_CONFIRM, True, False),
+                                   self._handshake_timeout)
         except asyncio.CancelledError:
             self._close_ep(ep)
             raise
@@ -663,7 +662,8 @@ class UcxBackend(Backend):
             await asyncio.wait_for(self._io(ep, challenge, _HS_TAG_CHALLENGE, False, False), self._handshake_timeout)
             my_nonce = os.urandom(_NONCE)
             response = _RESPONSE.pack(self.config.rank, my_nonce, self._client_mac(bytes(challenge), self.config.rank))
-            await asyncio.wait_for(self._io(ep, bytearray(response), _HS_TAG_RESPONSE, True, False), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(response), _HS_TAG_RESPONSE, True, False),
+                                   self._handshake_timeout)
             confirm = bytearray(_RANK.size + _MAC)
             await asyncio.wait_for(self._io(ep, confirm, _HS_TAG_CONFIRM, False, False), self._handshake_timeout)
             if not hmac.compare_digest(bytes(confirm[_RANK.size:]), self._server_mac(my_nonce, peer, self.config.rank)):
@@ -748,13 +748,6 @@ class UcxBackend(Backend):
         """The error for operations on a peer that went away."""
         return PeerUnavailableError(f"connection to rank {peer} closed: {why}", **self._ectx(peer),
                                     hint="the peer died or destroyed the group; destroy and re-create the group")
-
-    async def _psend(self, state: _Peer, buf: Any, tag: int) -> None:
-        """Send on the pair's endpoint; worker-address pairs carry keyed tags."""
-        if state.send_key is None:
-            await self._io(state.ep, buf, tag, True, False)
-        else:
-            await self._guarded(state, self._io(state.ep, buf, _wire_tag(state.send_key, tag), True, True))
 
     async def _precv(self, state: _Peer, buf: Any, tag: int) -> None:
         """Receive from the pair; on a worker-address pair only a keyed tag matches, which needs the secret."""
