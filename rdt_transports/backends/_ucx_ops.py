@@ -27,6 +27,7 @@ CTL = struct.Struct("<BBHIQQ")
 HDR, ACK, NACK = 1, 2, 3
 INLINE = 1  # flag: the payload follows the header in the same message
 INLINE_MAX = 64 << 10
+AGREED_MAX = 16  # (size, dtype) pairs per peer whose small sends skip waiting for their own verdict
 HDR_TAG = 1 << 36  # sub-tags of a user tag (user tags are < 2**31)
 REPLY_TAG = 2 << 36
 
@@ -102,7 +103,13 @@ class P2POp(Op):
 
 
 class SendOp(P2POp):
-    """Header (with the payload inline when small and on the host), wait for the verdict, then the payload."""
+    """Header (with the payload inline when small and on the host), then the verdict, then a large payload.
+
+    A small host send whose (size, dtype) the receiver already accepted on this pair (one of the last
+    :data:`AGREED_MAX` accepted) does not wait for its own verdict ("fast"): it completes once its message is out
+    and the verdict of the pair's previous send has come back. So a receiver that changed its mind makes the
+    sender raise at its next send to that peer; a new (size, dtype), a large or a CUDA send waits for its own
+    verdict and raises on that very message."""
 
     kind = "send"
 
@@ -120,28 +127,62 @@ class SendOp(P2POp):
             msg = bytearray(head)
         self.inline = inline
         self.data_req: Optional[Any] = None
-        self.reqs = [self.reply_req, self.send(msg, HDR_TAG | self.tag)]
+        self.head_req = self.send(msg, HDR_TAG | self.tag)
+        self.reqs = [self.reply_req, self.head_req]
+        state = self.state
+        self.fast = inline and (self.nbytes, self.dcode) in state.agreed
+        self.prev: Optional[SendOp] = state.unverified  # its verdict must be in before this send completes
+        state.unverified = self
+
+    def requests(self) -> List[Any]:
+        return self.reqs
 
     def step(self) -> None:
+        if not self._prev_verified():
+            return
         if self.data_req is not None:
             if _all_done(self.reqs):
                 self.finish()
+            return
+        if self.fast:
+            if _all_done([self.head_req]):
+                self.finish()  # the verdict is read by the next send to this peer
             return
         if not self.reply_req.completed:
             return
         kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(self.verdict))
         if kind != ACK:
             raise self.mismatch(their_nbytes, their_dcode)
+        agreed = self.state.agreed
+        agreed[(self.nbytes, self.dcode)] = None
+        if len(agreed) > AGREED_MAX:
+            del agreed[next(iter(agreed))]
         if self.inline or not self.nbytes:
             if _all_done(self.reqs):
                 self.finish()
             else:
-                self.data_req = self.reqs[-1]  # the header (with the payload) is still going out
+                self.data_req = self.head_req  # the header (with the payload) is still going out
             return
         self.data_req = self.send(self.backend._byte_view(self.tensor), self.tag)
         self.reqs.append(self.data_req)
         if _all_done(self.reqs):
             self.finish()
+
+    def _prev_verified(self) -> bool:
+        """True once the previous send's verdict is in; raises when it refused a fast send (which completed)."""
+        prev = self.prev
+        if prev is None:
+            return True
+        if not prev.reply_req.completed:
+            return False
+        self.prev = None
+        prev.reply_req.check_error()
+        kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(prev.verdict))
+        if kind != ACK and prev.fast:
+            self.state.agreed.clear()
+            raise self.backend._late_mismatch(self.peer, self.tag, prev.tag, prev.nbytes, prev.dcode, their_nbytes,
+                                              their_dcode)
+        return True
 
 
 class RecvOp(P2POp):

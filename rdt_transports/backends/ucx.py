@@ -252,6 +252,8 @@ class _Peer:
         self.transports = ""  # what UCX chose for the endpoint, e.g. "sysv+posix+cma" or "tcp"
         self.send_key: Optional[bytes] = None  # worker-address endpoints: keys of the pair's wire tags
         self.recv_key: Optional[bytes] = None
+        self.agreed: Dict[Tuple[int, int], None] = {}  # (nbytes, dtype code) the peer accepted lately (engine lock)
+        self.unverified: Any = None  # the last send to this peer; its verdict may still be on the way (engine lock)
         self.tags: Dict[Tuple[bool, int], Any] = {}  # (send, sub-tag) -> UCX tag on this pair (engine lock held)
         self.pidfd: Optional[int] = None  # watches a same-node peer's process (no UCX error handling there)
         self.dead: "asyncio.Future[None]" = loop.create_future()  # resolved by _fail_peer (error in .error)
@@ -896,6 +898,17 @@ class UcxBackend(Backend):
                 f"rank {peer} sent {theirs} for tag {tag}, this rank expects {mine}")
         return TensorMismatchError(what, **self._ectx(peer, op),
                                    hint="both sides must use tensors of the same dtype and number of elements")
+
+    def _late_mismatch(self, peer: int, tag: int, earlier_tag: int, nbytes: int, dcode: int, their_nbytes: int,
+                       their_dcode: int) -> TensorMismatchError:
+        """The error a send raises when the peer refused this rank's previous (fast, already completed) send."""
+        return TensorMismatchError(
+            f"rank {peer} refused an earlier send (tag {earlier_tag}) of {nbytes} bytes of {_dtype_name(dcode)}: it "
+            f"expected {their_nbytes} bytes of {_dtype_name(their_dcode)}. This send (tag {tag}) was already out and "
+            "may still be delivered", **self._ectx(peer, "send"),
+            hint="both sides must use tensors of the same dtype and number of elements; destroy and re-create the "
+            "group (a small send like an earlier accepted one completes before the receiver checks it, so the "
+            "next send to that peer reports the refusal)")
 
     def _op_error(self, op: Op, e: BaseException) -> BaseException:
         """Map an exception raised while advancing ``op`` to the error its Work raises."""

@@ -212,6 +212,25 @@ def test_size_and_dtype_mismatch_fail_both_sides(pair) -> None:
     assert torch.equal(src, dst)
 
 
+def test_refused_fast_send_is_reported_by_the_next_send() -> None:
+    """A small send like one the receiver accepted before completes at once; when the receiver refuses it, it raises
+    at once and the sender's next send to that peer raises the refusal."""
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b0, b1, torch.ones(8), torch.zeros(8), 1)  # (32 bytes, float32) accepted: later ones are fast
+        s = b0.isend(torch.ones(8), 1, 2)
+        s.wait(10)  # completes before the receiver has even posted its receive
+        dst = torch.zeros(9)
+        with pytest.raises(TensorMismatchError):
+            b1.irecv(dst, 0, 2).wait(10)
+        assert torch.equal(dst, torch.zeros(9))  # untouched
+        with pytest.raises(TensorMismatchError, match="refused an earlier send"):
+            b0.isend(torch.ones(8), 1, 3).wait(10)
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
 def test_recv_without_sender_times_out(pair) -> None:
     b0, _ = pair
     w = b0.irecv(torch.zeros(3), 1, _tag())
