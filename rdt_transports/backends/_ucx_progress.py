@@ -9,8 +9,9 @@ progress thread with the caller only watching the request 3.3 ms.
 
 So the worker runs in blocking mode with no progress thread, and whoever waits progresses it:
 
-* a thread in ``Work.wait`` progresses the worker and advances every pending operation (:class:`Op`), arms the
-  worker and sleeps on its epoll fd (plus a wake-up eventfd) for at most a short slice;
+* a thread in ``Work.wait`` progresses the worker and advances every pending operation (:class:`Op`), first
+  busily for a few tens of microseconds, then arms the worker and sleeps on its epoll fd (plus a wake-up eventfd)
+  for at most a short slice;
 * when no thread waits, a pump thread does the same, so handshakes, control messages and operations nobody waits
   on keep moving; it steps aside (sleeps on a condition) while callers drive, so each message wakes one thread.
 
@@ -33,8 +34,9 @@ logger = logging.getLogger(__name__)
 _WAIT_SLICE_S = 0.02  # longest sleep of a waiting caller between looks at abort / peer state / deadline
 _PUMP_SLICE_S = 0.1  # longest sleep of the pump thread
 _PUMP_IDLE_S = 0.02  # the pump takes over only after callers have stopped driving for this long
-_SPIN_S = float(os.environ.get("RDT_UCX_SPIN_US", "0")) * 1e-6  # busy progress before sleeping (off: it costs more
-# than it saves on a loaded machine; measured 0 vs 50 vs 300 us at load 10-19 on 2 cores)
+_SPIN_S = float(os.environ.get("RDT_UCX_SPIN_US", "30")) * 1e-6  # progress without sleeping first, per wait: a
+# reply often comes within tens of us, and each sleep costs a wake-up (rdt-bench 4 KiB at load 5-8 on 2 cores:
+# 30 us -> barrier 143-145 us, back-to-back 223-237 us; 0 -> 165-386 / 256-351 us; 300 us in ping-pong: 2x worse)
 _MAX_ZOMBIES = 4096  # failed operations whose UCX requests are still posted (their buffers must stay alive)
 
 

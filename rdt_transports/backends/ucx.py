@@ -36,13 +36,16 @@ header HDR(tag, nbytes, dtype code) on the tag's own header tag, with the payloa
 at most 64 KiB; the receiver checks size and dtype and answers ACK or NACK on the tag's reply tag (NACK: both sides
 raise TensorMismatchError, the receiver's tensor untouched). Larger payloads follow on ``tag`` only after the ACK,
 straight into the user's buffer, which keeps a sender from ever blocking on a receiver that will not take them
-and keeps them out of UCX's unexpected-message queue.
+and keeps them out of UCX's unexpected-message queue. A small send whose (size, dtype) the peer accepted lately
+does not wait for its own verdict: it completes once out and once the previous send's verdict is in, so a
+refusal of it is raised by the next send to that peer (a new size or dtype, a large or a CUDA send raises at once).
 
 Threading and progress (``_ucx_progress``): the worker runs in UCX blocking mode with no UCX progress thread and
 no ucxx Python futures. A thread waiting on a Work progresses the worker itself, advances every pending operation
-and sleeps on the worker's epoll fd between events; a pump thread does the same while nobody waits (handshakes,
-control messages, operations nobody waits on). The asyncio loop thread runs connection set-up, handshakes, the
-listener and the pidfd watch; its UCX requests are completed by the same engine. ``isend``/``irecv`` may be called
+and sleeps on the worker's epoll fd between events (after up to 30 us of busy progress, ``RDT_UCX_SPIN_US``); a
+pump thread does the same while nobody waits (handshakes, control messages, operations nobody waits on). The
+asyncio loop thread runs connection set-up, handshakes, the listener and the pidfd watch; its UCX requests are
+completed by the same engine. ``isend``/``irecv`` may be called
 from any thread; UCX submission and progress happen under one lock, sleeping outside it.
 
 Environment: ucxx picks transports from ``UCX_*`` variables (the tests set only ``UCX_NET_DEVICES=lo``; nothing
