@@ -79,6 +79,7 @@ class ProgressEngine:
         self._driving = 0  # threads in wait()
         self._last_drive = 0.0  # when the last caller stopped driving
         self._stopped = False
+        self._woken = False  # set by wake() before it writes the eventfd
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(worker.epoll_file_descriptor, select.EPOLLIN)
@@ -127,10 +128,12 @@ class ProgressEngine:
         """Progress, advance every operation; then arm the worker when asked. True when it is armed (sleeping is
         safe); False when there is more to progress."""
         with self.lock:
-            try:
-                os.eventfd_read(self._wake_fd)
-            except (BlockingIOError, OSError):
-                pass
+            if self._woken:  # drain the wake-up eventfd only when someone wrote it (saves a syscall per cycle)
+                self._woken = False
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except OSError:  # BlockingIOError: another cycle drained it
+                    pass
             if self._stopped:
                 return False
             self._worker.progress()
@@ -208,6 +211,7 @@ class ProgressEngine:
 
     def wake(self) -> None:
         """Make every sleeping waiter (and the pump) look again now."""
+        self._woken = True
         try:
             os.eventfd_write(self._wake_fd, 1)
         except OSError:  # closed at shutdown

@@ -124,11 +124,15 @@ _DTYPE_NAMES = (
 
 def _dtype_code(dtype: torch.dtype) -> int:
     """Wire code of a torch dtype (0 when unknown)."""
-    name = str(dtype).replace("torch.", "")
-    try:
-        return _DTYPE_NAMES.index(name) + 1
-    except ValueError:
-        return 0
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        name = str(dtype).replace("torch.", "")
+        code = _DTYPE_NAMES.index(name) + 1 if name in _DTYPE_NAMES else 0
+        _DTYPE_CODES[dtype] = code
+    return code
+
+
+_DTYPE_CODES: Dict[torch.dtype, int] = {}  # cache of _dtype_code (it runs once per operation)
 
 
 def _dtype_name(code: int) -> str:
