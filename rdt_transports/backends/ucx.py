@@ -277,7 +277,12 @@ class _UcxWork(Work):
         """Block until done; CollectiveTimeoutError past ``timeout``, GroupDestroyedError after abort."""
         op, backend = self._op, self._backend
         if not op.done:
-            backend._engine.wait(op, time.monotonic() + timeout, backend._aborted)
+            try:
+                backend._engine.wait(op, time.monotonic() + timeout, backend._aborted)
+            except RdtError:
+                raise
+            except Exception as e:  # a UCX error out of progress itself: typed, with group and ranks
+                raise backend._op_error(op, e) from e
         if op.done:
             if op.error is not None:
                 raise op.error
