@@ -31,31 +31,31 @@ matches a control or user receive. Bad MACs, wrong-size hellos and duplicates ar
 (death -> PeerUnavailableError) and sends BYE on abort/shutdown. ``describe()`` / ``transports()`` report per peer
 which path was taken and which transports UCX put on the endpoint's lanes (read with ``ucp_ep_print_info``).
 
-Transfer protocol, matched on (peer, tag) so posting order does not matter:
+Transfer protocol (``_ucx_ops``), matched on (peer, tag) so posting order does not matter: the sender sends a
+header HDR(tag, nbytes, dtype code) on the tag's own header tag, with the payload inside when it is a host tensor of
+at most 64 KiB; the receiver checks size and dtype and answers ACK or NACK on the tag's reply tag (NACK: both sides
+raise TensorMismatchError, the receiver's tensor untouched). Larger payloads follow on ``tag`` only after the ACK,
+straight into the user's buffer, which keeps a sender from ever blocking on a receiver that will not take them
+and keeps them out of UCX's unexpected-message queue. A small send whose (size, dtype) the peer accepted lately
+does not wait for its own verdict: it completes once out and once the previous send's verdict is in, so a
+refusal of it is raised by the next send to that peer (a new size or dtype, a large or a CUDA send raises at once).
 
-1. the sender sends a control header HDR(tag, nbytes, dtype code) on the pair's control tag;
-2. a per-endpoint reader task hands it to the irecv waiting for that tag (or keeps it until that irecv is
-   posted); the receiver compares size and dtype, and on mismatch answers NACK (both sides then raise
-   TensorMismatchError), otherwise posts the payload receive straight into the user's buffer (UCX tag
-   ``tag``, no staging copy) and answers ACK;
-3. on ACK the sender sends the payload; both Works complete when UCX completes the payload requests.
-
-The extra round trip keeps a sender from ever blocking on a receiver that will not take its payload, and
-keeps payloads out of UCX's unexpected-message queue.
-
-Threading: each backend owns a UCX context + worker (ucxx ``thread`` progress mode with Python futures, so
-idle waits do not spin) and one asyncio event loop in a daemon thread. ``isend``/``irecv`` may be called from
-any thread; they submit coroutines with ``asyncio.run_coroutine_threadsafe``.
+Threading and progress (``_ucx_progress``): the worker runs in UCX blocking mode with no UCX progress thread and
+no ucxx Python futures. A thread waiting on a Work progresses the worker itself, advances every pending operation
+and sleeps on the worker's epoll fd between events (after up to 30 us of busy progress, ``RDT_UCX_SPIN_US``); a
+pump thread does the same while nobody waits (handshakes, control messages, operations nobody waits on). The
+asyncio loop thread runs connection set-up, handshakes, the listener and the pidfd watch; its UCX requests are
+completed by the same engine. ``isend``/``irecv`` may be called
+from any thread; UCX submission and progress happen under one lock, sleeping outside it.
 
 Environment: ucxx picks transports from ``UCX_*`` variables (the tests set only ``UCX_NET_DEVICES=lo``; nothing
 restricts ``UCX_TLS``). Measured on the 2-core CI machine (UCX 1.21, ucxx 0.52; rdt-bench p2p, two actors on one
 node, medians of 3 runs each): same-node worker-address endpoints get ``sysv+posix+cma``, 4.5-5.1 GB/s at
 128 MiB and 3.9-4.7 GB/s at 16 MiB; listener endpoints (``RDT_UCX_SAME_NODE=0``, as across nodes) get ``tcp``,
-1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer takes 0.95-1.45 ms either way: each UCX completion crosses UCX's
-progress thread, ucxx's notifier thread and our event loop before the caller's thread sees it (raw ucxx
-ping-pong in this progress mode: ~230 us one way), and sending small payloads without waiting for the ACK did
-not change it measurably. CUDA tensors are passed through ``__cuda_array_interface__``; the current stream
-is synchronised when an operation is posted. The CUDA path has not been tested (no GPU here).
+1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer took 0.95-1.45 ms while completions crossed UCX's progress thread,
+ucxx's notifier thread and an event loop; for progress in the waiting thread see docs/benchmarks.md. CUDA
+tensors are passed through ``__cuda_array_interface__``; the current stream is synchronised when an operation is
+posted. The CUDA path has not been tested (no GPU here).
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ from ..errors import (
 )
 from .. import _lifecycle
 from ..types import Capabilities
+from ._ucx_ops import CTL as _CTL, P2POp, RecvOp, SendOp
+from ._ucx_progress import AwaitOp, Op, ProgressEngine
 from .base import Backend, BackendConfig, Work
 
 logger = logging.getLogger(__name__)
@@ -97,9 +99,7 @@ _HS_TAG_CHALLENGE = (1 << 40) + 1
 _HS_TAG_RESPONSE = (1 << 40) + 2
 _HS_TAG_CONFIRM = (1 << 40) + 3
 
-# Control record: kind, dtype code, reserved, tag, nbytes, reserved.
-_CTL = struct.Struct("<BBHIQQ")
-_HDR, _ACK, _NACK = 1, 2, 3
+_HDR = 1  # control record kinds on the connection's control tag (see _ucx_ops.CTL); only BYE is sent there now
 
 _NONCE = 32
 _MAC = 32
@@ -114,7 +114,6 @@ _BYE = 4
 _HELLO = struct.Struct(f"<II{_NONCE}s{_MAC}s")  # client rank, client pid, client nonce, MAC
 _CHALLENGE = struct.Struct(f"<I{_NONCE}s{_MAC}s")  # server pid, server nonce, server MAC
 _SHM_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc"})
-_WAIT_SLICE_S = 0.1
 
 # Stable wire codes for dtypes (index + 1); unknown dtypes travel as 0 and are compared by size only.
 _DTYPE_NAMES = (
@@ -125,11 +124,15 @@ _DTYPE_NAMES = (
 
 def _dtype_code(dtype: torch.dtype) -> int:
     """Wire code of a torch dtype (0 when unknown)."""
-    name = str(dtype).replace("torch.", "")
-    try:
-        return _DTYPE_NAMES.index(name) + 1
-    except ValueError:
-        return 0
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        name = str(dtype).replace("torch.", "")
+        code = _DTYPE_NAMES.index(name) + 1 if name in _DTYPE_NAMES else 0
+        _DTYPE_CODES[dtype] = code
+    return code
+
+
+_DTYPE_CODES: Dict[torch.dtype, int] = {}  # cache of _dtype_code (it runs once per operation)
 
 
 def _dtype_name(code: int) -> str:
@@ -229,7 +232,18 @@ def _import_ucxx() -> Tuple[Any, Any, Any]:
             f"the ucx backend needs the ucxx package, which cannot be imported: {type(e).__name__}: {e}",
             hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'rdt[ucx]')",
         ) from e
+    global _UCXXTag, _Array, _hash64bits
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTag
+    from ucxx._lib_async.utils import hash64bits
+
+    _UCXXTag, _Array, _hash64bits = UCXXTag, Array, hash64bits
     return ucxx, ApplicationContext, application_context
+
+
+_UCXXTag: Any = None  # ucxx's tag, buffer and tag-hash helpers, bound by _import_ucxx
+_Array: Any = None
+_hash64bits: Any = None
 
 
 class _Peer:
@@ -241,58 +255,50 @@ class _Peer:
         self.reader: Optional["asyncio.Task[None]"] = None
         self.connecting = False
         self.error: Optional[BaseException] = None
-        self.early_headers: Dict[int, Tuple[int, int]] = {}  # tag -> (nbytes, dtype code), arrived before irecv
-        self.header_waiters: Dict[int, "asyncio.Future[Tuple[int, int]]"] = {}
-        self.reply_waiters: Dict[int, "asyncio.Future[Tuple[int, int, int]]"] = {}
         self.path = ""  # "worker-address" (same node) or "listener"
         self.transports = ""  # what UCX chose for the endpoint, e.g. "sysv+posix+cma" or "tcp"
         self.send_key: Optional[bytes] = None  # worker-address endpoints: keys of the pair's wire tags
         self.recv_key: Optional[bytes] = None
+        self.agreed: Dict[Tuple[int, int], None] = {}  # (nbytes, dtype code) the peer accepted lately (engine lock)
+        self.unverified: Any = None  # the last send to this peer; its verdict may still be on the way (engine lock)
+        self.tags: Dict[Tuple[bool, int], Any] = {}  # (send, sub-tag) -> UCX tag on this pair (engine lock held)
         self.pidfd: Optional[int] = None  # watches a same-node peer's process (no UCX error handling there)
         self.dead: "asyncio.Future[None]" = loop.create_future()  # resolved by _fail_peer (error in .error)
 
 
 class _UcxWork(Work):
-    """Handle of one isend/irecv running on the backend's event loop."""
+    """Handle of one isend/irecv; waiting drives UCX progress in the waiting thread."""
 
-    def __init__(self, backend: "UcxBackend", future: "concurrent.futures.Future[None]", op: str, peer: int,
-                 tag: int, tensor: torch.Tensor) -> None:
+    def __init__(self, backend: "UcxBackend", op: P2POp) -> None:
         self._backend = backend
-        self._tensor = tensor  # keeps the memory alive while UCX may still touch it
-        self._future = future
-        self._op = op
-        self._peer = peer
-        self._tag = tag
+        self._op = op  # holds the tensor and the buffers while UCX may still touch them
 
     def wait(self, timeout: float) -> None:
         """Block until done; CollectiveTimeoutError past ``timeout``, GroupDestroyedError after abort."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
+        op, backend = self._op, self._backend
+        if not op.done:
             try:
-                self._future.result(max(0.0, min(_WAIT_SLICE_S, remaining)))
-                return
-            except concurrent.futures.CancelledError:
-                raise self._backend._closed_error(self._peer, self._op) from None
-            except TimeoutError:
-                if self._future.done():  # the op itself failed with a timeout-type error: report that one
-                    if self._future.cancelled():
-                        raise self._backend._closed_error(self._peer, self._op) from None
-                    self._future.result(0)
-                    return
-            if self._backend._aborted.is_set():
-                raise self._backend._closed_error(self._peer, self._op)
-            if time.monotonic() >= deadline:
-                cfg = self._backend.config
-                raise CollectiveTimeoutError(
-                    f"ucx {self._op} (tag {self._tag}) did not complete within {timeout:.3f}s",
-                    group=cfg.group_name, rank=cfg.rank, peer=self._peer, op=self._op,
-                    hint="make sure the peer posts the matching operation with the same tag, size and dtype, "
-                    "and that it is alive; the operation is still pending",
-                )
+                backend._engine.wait(op, time.monotonic() + timeout, backend._aborted)
+            except RdtError:
+                raise
+            except Exception as e:  # a UCX error out of progress itself: typed, with group and ranks
+                raise backend._op_error(op, e) from e
+        if op.done:
+            if op.error is not None:
+                raise op.error
+            return
+        if backend._aborted.is_set():
+            raise backend._closed_error(op.peer, op.kind)
+        cfg = backend.config
+        raise CollectiveTimeoutError(
+            f"ucx {op.kind} (tag {op.tag}) did not complete within {timeout:.3f}s",
+            group=cfg.group_name, rank=cfg.rank, peer=op.peer, op=op.kind,
+            hint="make sure the peer posts the matching operation with the same tag, size and dtype, "
+            "and that it is alive; the operation is still pending",
+        )
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._op.done
 
 
 # Backends not shut down yet. At exit they are shut down before the interpreter finalizes: a UCX progress thread
@@ -335,9 +341,11 @@ class UcxBackend(Backend):
         self._tasks: Set["asyncio.Task[Any]"] = set()
         self._listener: Any = None
         self._ctx: Any = None
-        self._progress: Any = None
+        self._engine: Optional[ProgressEngine] = None
         self._node = _node_id()
         self._hello_pending: Set[int] = set()  # client ranks with a same-node handshake in progress
+        self._pending: Dict[Tuple[str, int, int], P2POp] = {}  # (op, peer, tag) -> latest operation
+        self._pending_lock = threading.Lock()
         self._bye_task: Optional["asyncio.Task[Any]"] = None
         _UNCLOSED.add(self)
         self._loop = asyncio.new_event_loop()
@@ -371,11 +379,17 @@ class UcxBackend(Backend):
             raise
 
     async def _start(self, app_context_cls: Any) -> None:
-        """Create this backend's UCX context/worker and listener (on the loop, so ucxx binds to it)."""
-        self._ctx = app_context_cls(progress_mode="thread", enable_python_future=True)
-        # ucxx keeps progress objects in a module-level dict that any context's finalizer clears; holding our
-        # own reference keeps our progress thread alive when another backend in this process shuts down.
-        self._progress = self._app_module.ProgressTasks.get(self._loop)
+        """Create this backend's UCX context/worker, its progress engine and listener (on the loop, so ucxx's
+        futures bind to it). ucxx's own progress (a UCX progress thread) is replaced by the engine's."""
+
+        class _Context(app_context_cls):  # type: ignore[misc, valid-type]
+            def continuous_ucx_progress(self, event_loop: Any = None) -> None:
+                """Progress comes from the backend's ProgressEngine, not from ucxx."""
+
+        # No Python futures: each would cost a wake-up of ucxx's notifier thread and of this loop per request.
+        self._ctx = _Context(progress_mode="blocking", enable_delayed_submission=False, enable_python_future=False)
+        self._engine = ProgressEngine(self._ctx.worker, f"rdt-ucx-{self.config.group_name}-r{self.config.rank}",
+                                      self._op_error)
         self._listener = self._ctx.create_listener(
             self._on_connect, port=0, endpoint_error_handling=True, connect_timeout=self._handshake_timeout
         )
@@ -441,11 +455,44 @@ class UcxBackend(Backend):
         return node.decode("ascii", "replace"), addr
 
     async def _waddr_endpoint(self, addr: bytes) -> Any:
-        """An endpoint to a same-node worker. UCX error handling is off: with it UCX refuses shared memory."""
-        from ucxx._lib.libucxx import UCXAddress
+        """An endpoint to a same-node worker. UCX error handling is off: with it UCX refuses shared memory.
+        Made like ucxx's ``create_endpoint_from_worker_address``, under the engine lock."""
+        from ucxx._lib.libucxx import UCXAddress, UCXEndpoint
+        from ucxx._lib_async.endpoint import Endpoint
 
-        return await self._ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(addr),
-                                                                   endpoint_error_handling=False)
+        assert self._engine is not None
+        with self._engine.lock:
+            raw = UCXEndpoint.create_from_worker_address(self._ctx.worker, UCXAddress.create_from_buffer(addr), False)
+        self._engine.wake()
+        return Endpoint(endpoint=raw, ctx=self._ctx, tags=None)
+
+    async def _io(self, ep: Any, buf: Any, tag: int, send: bool, force_tag: bool) -> None:
+        """Send or receive ``buf`` on a ucxx endpoint with ``tag`` (hashed with the endpoint's random tag unless
+        ``force_tag``, as ucxx's Endpoint.send/recv do); completed by the progress engine."""
+        if not force_tag:
+            tag = _hash64bits(ep._tags["msg_send" if send else "msg_recv"], hash(tag))
+
+        def post() -> Any:
+            raw = ep._ep
+            if raw is None:
+                raise ConnectionResetError("the UCX endpoint is closed")
+            raw.raise_on_error()
+            return (raw.tag_send if send else raw.tag_recv)(_Array(buf), _UCXXTag(tag))
+
+        await self._await_op(post, buf)
+
+    async def _worker_recv(self, buf: Any, tag: int) -> None:
+        """Receive ``buf`` on this worker with ``tag`` from any endpoint (same-node hellos)."""
+        worker = self._ctx.worker
+        await self._await_op(lambda: worker.tag_recv(_Array(buf), _UCXXTag(tag)), buf)
+
+    async def _await_op(self, factory: Any, keep: Any) -> None:
+        """Post a request built by ``factory`` on the engine and await its completion."""
+        if self._engine is None:
+            raise self._closed_error(None, None)
+        future = self._loop.create_future()
+        self._engine.post(AwaitOp(factory, keep, self._loop, future))
+        await future
 
     async def _accept_hellos(self) -> None:
         """Receive same-node HELLOs on our worker, one handshake task each (bounded: one per lower rank)."""
@@ -453,7 +500,7 @@ class UcxBackend(Backend):
         while not (self._closed or self._aborted.is_set()):
             buf = bytearray(_HELLO.size)
             try:
-                await self._ctx.recv(buf, tag=tag)
+                await self._worker_recv(buf, tag)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # truncated (wrong size) message from an outsider
@@ -485,11 +532,11 @@ class UcxBackend(Backend):
             n_server = os.urandom(_NONCE)
             me = _RANK.pack(self.config.rank)
             response = bytearray(_MAC)
-            got = asyncio.ensure_future(ep.recv(response, tag=_tag64(b"resp", n_server), force_tag=True))
+            got = asyncio.ensure_future(self._io(ep, response, _tag64(b"resp", n_server), False, True))
             try:
                 mac = self._mac(b"s", n_client, n_server, me, _RANK.pack(client), _RANK.pack(os.getpid()))
                 challenge = _CHALLENGE.pack(os.getpid(), n_server, mac)
-                await asyncio.wait_for(ep.send(bytearray(challenge), tag=_tag64(b"chal", n_client), force_tag=True),
+                await asyncio.wait_for(self._io(ep, bytearray(challenge), _tag64(b"chal", n_client), True, True),
                                        self._handshake_timeout)
                 await asyncio.wait_for(got, self._handshake_timeout)
             finally:
@@ -521,11 +568,11 @@ class UcxBackend(Backend):
             me, them = _RANK.pack(self.config.rank), _RANK.pack(peer)
             n_client = os.urandom(_NONCE)
             challenge = bytearray(_CHALLENGE.size)
-            got = asyncio.ensure_future(ep.recv(challenge, tag=_tag64(b"chal", n_client), force_tag=True))
+            got = asyncio.ensure_future(self._io(ep, challenge, _tag64(b"chal", n_client), False, True))
             try:
                 hello = _HELLO.pack(self.config.rank, os.getpid(), n_client,
                                     self._mac(b"h", me, them, _RANK.pack(os.getpid()), n_client))
-                await asyncio.wait_for(ep.send(bytearray(hello), tag=self._hello_tag(peer), force_tag=True),
+                await asyncio.wait_for(self._io(ep, bytearray(hello), self._hello_tag(peer), True, True),
                                        self._handshake_timeout)
                 await asyncio.wait_for(got, self._handshake_timeout)
             finally:
@@ -537,7 +584,7 @@ class UcxBackend(Backend):
                     f"rank {peer}'s worker failed authentication", **self._ectx(peer, "connect"),
                     hint="the address in the rendezvous belongs to another group incarnation or process")
             response = self._mac(b"c", n_server, n_client, me, them)
-            await asyncio.wait_for(ep.send(bytearray(response), tag=_tag64(b"resp", n_server), force_tag=True),
+            await asyncio.wait_for(self._io(ep, bytearray(response), _tag64(b"resp", n_server), True, True),
                                    self._handshake_timeout)
         except BaseException:
             self._close_ep(ep)
@@ -547,9 +594,15 @@ class UcxBackend(Backend):
         return ep, pid
 
     def _close_ep(self, ep: Any) -> None:
-        """Close a ucxx endpoint without raising (bounded by ucxx's close period)."""
+        """Close a ucxx endpoint without raising (bounded by ucxx's close period); under the engine lock, since
+        closing progresses the worker."""
+        engine = self._engine
         try:
-            ep.abort(period=10**8, max_attempts=1)
+            if engine is None:
+                ep.abort(period=10**8, max_attempts=1)
+            else:
+                with engine.lock:
+                    ep.abort(period=10**8, max_attempts=1)
         except Exception:  # already closed or errored
             pass
 
@@ -560,9 +613,10 @@ class UcxBackend(Backend):
             return
         try:
             nonce = os.urandom(_NONCE)
-            await asyncio.wait_for(ep.send(bytearray(nonce), tag=_HS_TAG_CHALLENGE), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(nonce), _HS_TAG_CHALLENGE, True, False),
+                                   self._handshake_timeout)
             buf = bytearray(_RESPONSE.size)
-            await asyncio.wait_for(ep.recv(buf, tag=_HS_TAG_RESPONSE), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, buf, _HS_TAG_RESPONSE, False, False), self._handshake_timeout)
             client, client_nonce, mac = _RESPONSE.unpack(bytes(buf))
         except asyncio.CancelledError:
             self._close_ep(ep)
@@ -582,7 +636,8 @@ class UcxBackend(Backend):
             return
         try:
             reply = _RANK.pack(1) + self._server_mac(client_nonce, self.config.rank, client)
-            await asyncio.wait_for(ep.send(bytearray(reply), tag=_HS_TAG_CONFIRM), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(reply), _HS_TAG_CONFIRM, True, False),
+                                   self._handshake_timeout)
         except asyncio.CancelledError:
             self._close_ep(ep)
             raise
@@ -618,12 +673,13 @@ class UcxBackend(Backend):
                                           connect_timeout=self._handshake_timeout),
                 self._handshake_timeout)
             challenge = bytearray(_NONCE)
-            await asyncio.wait_for(ep.recv(challenge, tag=_HS_TAG_CHALLENGE), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, challenge, _HS_TAG_CHALLENGE, False, False), self._handshake_timeout)
             my_nonce = os.urandom(_NONCE)
             response = _RESPONSE.pack(self.config.rank, my_nonce, self._client_mac(bytes(challenge), self.config.rank))
-            await asyncio.wait_for(ep.send(bytearray(response), tag=_HS_TAG_RESPONSE), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, bytearray(response), _HS_TAG_RESPONSE, True, False),
+                                   self._handshake_timeout)
             confirm = bytearray(_RANK.size + _MAC)
-            await asyncio.wait_for(ep.recv(confirm, tag=_HS_TAG_CONFIRM), self._handshake_timeout)
+            await asyncio.wait_for(self._io(ep, confirm, _HS_TAG_CONFIRM, False, False), self._handshake_timeout)
             if not hmac.compare_digest(bytes(confirm[_RANK.size:]), self._server_mac(my_nonce, peer, self.config.rank)):
                 raise PeerUnavailableError(
                     f"rank {peer}'s listener failed authentication", **self._ectx(peer, "connect"),
@@ -671,6 +727,8 @@ class UcxBackend(Backend):
             pass
         state.ready.set_result(ep)
         state.reader = loop.create_task(self._reader(peer, state, ep))
+        if self._engine is not None:
+            self._engine.wake()  # operations waiting for this connection post their requests now
 
     def _watch(self, peer: int, state: _Peer, ep: Any, pid: int) -> None:
         """Fail the peer when its process exits: a same-node endpoint has no UCX error handling to tell us."""
@@ -705,19 +763,12 @@ class UcxBackend(Backend):
         return PeerUnavailableError(f"connection to rank {peer} closed: {why}", **self._ectx(peer),
                                     hint="the peer died or destroyed the group; destroy and re-create the group")
 
-    async def _psend(self, state: _Peer, buf: Any, tag: int) -> None:
-        """Send on the pair's endpoint; worker-address pairs carry keyed tags."""
-        if state.send_key is None:
-            await state.ep.send(buf, tag=tag)
-        else:
-            await self._guarded(state, state.ep.send(buf, tag=_wire_tag(state.send_key, tag), force_tag=True))
-
     async def _precv(self, state: _Peer, buf: Any, tag: int) -> None:
         """Receive from the pair; on a worker-address pair only a keyed tag matches, which needs the secret."""
         if state.recv_key is None:
-            await state.ep.recv(buf, tag=tag)
+            await self._io(state.ep, buf, tag, False, False)
         else:
-            await self._guarded(state, state.ep.recv(buf, tag=_wire_tag(state.recv_key, tag), force_tag=True))
+            await self._guarded(state, self._io(state.ep, buf, _wire_tag(state.recv_key, tag), False, True))
 
     async def _guarded(self, state: _Peer, coro: Any) -> None:
         """Await a UCX request on a worker-address pair, failing when the peer is declared dead (pidfd, BYE):
@@ -752,11 +803,8 @@ class UcxBackend(Backend):
             state.dead.set_result(None)
         if not state.ready.done():
             state.ready.set_exception(err)
-        for fut in list(state.header_waiters.values()) + list(state.reply_waiters.values()):
-            if not fut.done():
-                fut.set_exception(err)
-        state.header_waiters.clear()
-        state.reply_waiters.clear()
+        if self._engine is not None:
+            self._engine.wake()  # operations on that peer fail at their next look
 
     # ------------------------------------------------------------------ control channel
     async def _reader(self, peer: int, state: _Peer, ep: Any) -> None:
@@ -765,21 +813,8 @@ class UcxBackend(Backend):
             while True:
                 buf = bytearray(_CTL.size)
                 await self._precv(state, buf, _CTL_TAG)
-                kind, dcode, _, tag, nbytes, _ = _CTL.unpack(bytes(buf))
-                if kind == _HDR:
-                    waiter = state.header_waiters.pop(tag, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result((nbytes, dcode))
-                    elif tag in state.early_headers:
-                        logger.debug("ucx rank %d: duplicate header for tag %d from rank %d ignored",
-                                     self.config.rank, tag, peer)
-                    else:
-                        state.early_headers[tag] = (nbytes, dcode)
-                elif kind in (_ACK, _NACK):
-                    waiter = state.reply_waiters.pop(tag, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result((kind, nbytes, dcode))
-                elif kind == _BYE:
+                kind = _CTL.unpack(bytes(buf))[0]
+                if kind == _BYE:
                     self._fail_peer(peer, state, self._gone_error(peer, "the peer aborted or shut down"))
                     return
                 else:
@@ -792,21 +827,6 @@ class UcxBackend(Backend):
                 f"connection to rank {peer} failed: {type(e).__name__}: {e}", **self._ectx(peer),
                 hint="the peer died or destroyed the group; destroy and re-create the group"))
 
-    async def _ctl_send(self, state: _Peer, kind: int, tag: int, nbytes: int, dcode: int) -> None:
-        """Send one control record to the peer."""
-        await self._psend(state, bytearray(_CTL.pack(kind, dcode, 0, tag, nbytes, 0)), _CTL_TAG)
-
-    async def _ready(self, peer: int, op: str) -> Tuple[_Peer, Any]:
-        """The peer's state and authenticated endpoint, connecting first if we are the lower rank."""
-        state = self._peer(peer)
-        if state.error is not None:
-            raise state.error
-        if not state.ready.done() and self.config.rank < peer and not state.connecting:
-            state.connecting = True
-            self._spawn(self._connect(peer, state))
-        ep = await asyncio.shield(state.ready)
-        return state, ep
-
     def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
         """Start a tracked task on the loop (cancelled at abort/shutdown)."""
         task = self._loop.create_task(coro)
@@ -815,86 +835,106 @@ class UcxBackend(Backend):
         return task
 
     # ------------------------------------------------------------------ operations
-    async def _run_op(self, coro: Any, peer: int, op: str) -> None:
-        """Run one operation, tracked for abort, mapping UCX errors to PeerUnavailableError."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            if self._aborted.is_set() or self._closed:
-                raise self._closed_error(peer, op)
-            await coro
-        except RdtError:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # ucxx.exceptions.UCX* (closed, reset, canceled ...)
-            if self._aborted.is_set() or self._closed:
-                raise self._closed_error(peer, op) from e
-            raise PeerUnavailableError(
-                f"UCX {op} failed: {type(e).__name__}: {e}", **self._ectx(peer, op),
-                hint="the peer died or closed the connection; destroy and re-create the group") from e
-        finally:
-            self._tasks.discard(task)
-            coro.close()  # no-op when it ran; avoids 'never awaited' when we refused to start it
+    _dtype_code = staticmethod(_dtype_code)
+    _byte_view = staticmethod(_byte_view)
 
-    async def _send(self, buf: Any, nbytes: int, dcode: int, peer: int, tag: int) -> None:
-        """Sender side: header, wait for ACK/NACK, then the payload."""
-        state, ep = await self._ready(peer, "send")
-        if tag in state.reply_waiters:
-            raise InvalidArgumentError(f"a send with tag {tag} to rank {peer} is already pending",
-                                       **self._ectx(peer, "send"), hint="use a unique tag per pending transfer")
-        reply = self._loop.create_future()
-        state.reply_waiters[tag] = reply
-        try:
-            await self._ctl_send(state, _HDR, tag, nbytes, dcode)
-            kind, their_nbytes, their_dcode = await reply
-        finally:
-            if state.reply_waiters.get(tag) is reply:
-                del state.reply_waiters[tag]
-        if kind == _NACK:
-            raise TensorMismatchError(
-                f"rank {peer} expects {their_nbytes} bytes of {_dtype_name(their_dcode)} for tag {tag}, "
-                f"this rank sent {nbytes} bytes of {_dtype_name(dcode)}", **self._ectx(peer, "send"),
-                hint="both sides must use tensors of the same dtype and number of elements")
-        if nbytes:
-            await self._psend(state, buf, tag)
-
-    async def _recv(self, buf: Any, nbytes: int, dcode: int, peer: int, tag: int) -> None:
-        """Receiver side: wait for the header, check it, post the payload receive, then ACK."""
-        state, ep = await self._ready(peer, "recv")
-        header = state.early_headers.pop(tag, None)
-        if header is None:
-            if tag in state.header_waiters:
-                raise InvalidArgumentError(f"a recv with tag {tag} from rank {peer} is already pending",
-                                           **self._ectx(peer, "recv"), hint="use a unique tag per pending transfer")
-            waiter = self._loop.create_future()
-            state.header_waiters[tag] = waiter
-            try:
-                header = await waiter
-            finally:
-                if state.header_waiters.get(tag) is waiter:
-                    del state.header_waiters[tag]
-        their_nbytes, their_dcode = header
-        if their_nbytes != nbytes or (dcode and their_dcode and their_dcode != dcode):
-            await self._ctl_send(state, _NACK, tag, nbytes, dcode)
-            raise TensorMismatchError(
-                f"rank {peer} sent {their_nbytes} bytes of {_dtype_name(their_dcode)} for tag {tag}, "
-                f"this rank expects {nbytes} bytes of {_dtype_name(dcode)}", **self._ectx(peer, "recv"),
-                hint="both sides must use tensors of the same dtype and number of elements")
-        if not nbytes:
-            await self._ctl_send(state, _ACK, tag, nbytes, dcode)
+    def _ensure_connection(self, peer: int) -> None:
+        """Have the loop connect to ``peer`` when we are the lower rank (idempotent; any thread)."""
+        state = self._peers.get(peer)
+        if state is not None and (state.ep is not None or state.error is not None or state.connecting):
             return
-        payload = asyncio.ensure_future(self._precv(state, buf, tag))
         try:
-            await self._ctl_send(state, _ACK, tag, nbytes, dcode)
-            await payload
-        finally:
-            if not payload.done():
-                payload.cancel()
+            self._loop.call_soon_threadsafe(self._connect_if_needed, peer)
+        except RuntimeError:  # loop closed by shutdown: the operation fails on the closed check
+            pass
+
+    def _connect_if_needed(self, peer: int) -> None:
+        """Loop thread: create the peer's state and start connecting if this rank is the client."""
+        if self._closed or self._aborted.is_set():
+            return
+        state = self._peer(peer)
+        if not state.ready.done() and self.config.rank < peer and not state.connecting:
+            state.connecting = True
+            self._spawn(self._connect(peer, state))
+
+    def _wire(self, state: _Peer, subtag: int, send: bool) -> Any:
+        """The UCX tag that carries ``subtag`` on this pair: keyed on worker-address pairs, hashed with the
+        endpoint's random tag (as ucxx does) on listener pairs."""
+        cache = state.tags
+        tag = cache.get((send, subtag))
+        if tag is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            if state.send_key is not None:
+                tag = _UCXXTag(_wire_tag(state.send_key if send else state.recv_key, subtag))
+            else:
+                tag = _UCXXTag(_hash64bits(state.ep._tags["msg_send" if send else "msg_recv"], hash(subtag)))
+            cache[(send, subtag)] = tag
+        return tag
+
+    def _raw_send(self, state: _Peer, buf: Any, subtag: int) -> Any:
+        """Post a tag send on the pair (engine lock held); returns the ucxx request."""
+        raw = state.ep._ep
+        if raw is None:
+            raise state.error or self._closed_error(None, None)
+        return raw.tag_send(_Array(buf), self._wire(state, subtag, True))
+
+    def _raw_recv(self, state: _Peer, buf: Any, subtag: int) -> Any:
+        """Post a tag receive on the pair (engine lock held); returns the ucxx request."""
+        raw = state.ep._ep
+        if raw is None:
+            raise state.error or self._closed_error(None, None)
+        return raw.tag_recv(_Array(buf), self._wire(state, subtag, False))
+
+    @staticmethod
+    def _host_bytes(tensor: torch.Tensor) -> memoryview:
+        """The bytes of a contiguous host tensor, without a copy (numpy's view is the fast way when it has one)."""
+        try:
+            return memoryview(tensor.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # bfloat16 and friends, 0-d: through a uint8 view
+            return memoryview(_byte_view(tensor))
+
+    @staticmethod
+    def _fill(tensor: torch.Tensor, data: memoryview) -> None:
+        """Copy received bytes into ``tensor`` (host or CUDA)."""
+        if tensor.is_cuda:
+            tensor.detach().reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        else:
+            UcxBackend._host_bytes(tensor)[:] = data
+
+    def _mismatch(self, op: str, peer: int, tag: int, nbytes: int, dcode: int, their_nbytes: int,
+                  their_dcode: int) -> TensorMismatchError:
+        """The error both sides raise when the sender's and receiver's tensors differ."""
+        theirs, mine = f"{their_nbytes} bytes of {_dtype_name(their_dcode)}", f"{nbytes} bytes of {_dtype_name(dcode)}"
+        what = (f"rank {peer} expects {theirs} for tag {tag}, this rank sent {mine}" if op == "send" else
+                f"rank {peer} sent {theirs} for tag {tag}, this rank expects {mine}")
+        return TensorMismatchError(what, **self._ectx(peer, op),
+                                   hint="both sides must use tensors of the same dtype and number of elements")
+
+    def _late_mismatch(self, peer: int, tag: int, earlier_tag: int, nbytes: int, dcode: int, their_nbytes: int,
+                       their_dcode: int) -> TensorMismatchError:
+        """The error a send raises when the peer refused this rank's previous (fast, already completed) send."""
+        return TensorMismatchError(
+            f"rank {peer} refused an earlier send (tag {earlier_tag}) of {nbytes} bytes of {_dtype_name(dcode)}: it "
+            f"expected {their_nbytes} bytes of {_dtype_name(their_dcode)}. This send (tag {tag}) was already out and "
+            "may still be delivered", **self._ectx(peer, "send"),
+            hint="both sides must use tensors of the same dtype and number of elements; destroy and re-create the "
+            "group (a small send like an earlier accepted one completes before the receiver checks it, so the "
+            "next send to that peer reports the refusal)")
+
+    def _op_error(self, op: Op, e: BaseException) -> BaseException:
+        """Map an exception raised while advancing ``op`` to the error its Work raises."""
+        if isinstance(e, RdtError):
+            return e
+        peer, kind = getattr(op, "peer", None), getattr(op, "kind", None)
+        if self._aborted.is_set() or self._closed:
+            return self._closed_error(peer, kind)
+        return PeerUnavailableError(
+            f"UCX {kind} failed: {type(e).__name__}: {e}", **self._ectx(peer, kind),
+            hint="the peer died or closed the connection; destroy and re-create the group")
 
     def _post(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        """Validate, prepare the buffer in the caller's thread and submit the operation to the loop."""
+        """Validate, prepare the buffer in the caller's thread and start the operation on the engine."""
         if self._aborted.is_set() or self._closed:
             raise self._closed_error(peer, op)
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -905,17 +945,22 @@ class UcxBackend(Backend):
         if tensor.is_cuda:
             # Producers (send) must have finished writing and readers (recv) reading before UCX touches memory.
             torch.cuda.current_stream(tensor.device).synchronize()
-        nbytes = tensor.numel() * tensor.element_size()
-        buf = _byte_view(tensor) if nbytes else None
-        dcode = _dtype_code(tensor.dtype)
-        body = self._send if op == "send" else self._recv
-        coro = self._run_op(body(buf, nbytes, dcode, peer, tag), peer, op)
-        try:
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        except RuntimeError as e:  # loop closed concurrently by shutdown
-            coro.close()
-            raise self._closed_error(peer, op) from e
-        return _UcxWork(self, fut, op, peer, tag, tensor)
+        key = (op, peer, tag)
+        with self._pending_lock:
+            pending = self._pending.get(key)
+            if pending is not None and not pending.done:
+                raise InvalidArgumentError(f"a {op} with tag {tag} {'to' if op == 'send' else 'from'} rank {peer} "
+                                           "is already pending", **self._ectx(peer, op),
+                                           hint="use a unique tag per pending transfer")
+            work_op: P2POp = (SendOp if op == "send" else RecvOp)(self, tensor, peer, tag)
+            self._pending[key] = work_op
+            if len(self._pending) > 4096:
+                self._pending = {k: v for k, v in self._pending.items() if not v.done}
+        engine = self._engine
+        if engine is None:
+            raise self._closed_error(peer, op)
+        engine.post(work_op)
+        return _UcxWork(self, work_op)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Post a send of ``tensor`` to ``peer`` with ``tag``."""
@@ -953,6 +998,8 @@ class UcxBackend(Backend):
         if self._aborted.is_set():
             return
         self._aborted.set()
+        if self._engine is not None:
+            self._engine.fail_all(self._closed_error(None, None))
         try:
             self._loop.call_soon_threadsafe(self._abort_in_loop)
         except RuntimeError:  # loop already closed
@@ -979,7 +1026,7 @@ class UcxBackend(Backend):
     async def _say_bye(self, states: "list[_Peer]") -> None:
         """Send BYE to same-node peers (bounded wait), then close their endpoints."""
         bye = _CTL.pack(_BYE, 0, 0, 0, 0, 0)  # sent unguarded: the peers are already marked failed on our side
-        sends = [asyncio.ensure_future(s.ep.send(bytearray(bye), tag=_wire_tag(s.send_key, _CTL_TAG), force_tag=True))
+        sends = [asyncio.ensure_future(self._io(s.ep, bytearray(bye), _wire_tag(s.send_key, _CTL_TAG), True, True))
                  for s in states if s.send_key is not None]
         try:
             await asyncio.wait(sends, timeout=0.5)
@@ -1015,6 +1062,9 @@ class UcxBackend(Backend):
             self._closed = True
         _UNCLOSED.discard(self)
         self._aborted.set()
+        engine = self._engine
+        if engine is not None:
+            engine.fail_all(self._closed_error(None, None))
         if self._thread.is_alive():
             try:
                 self._call(self._close_all(), timeout=5.0)
@@ -1026,21 +1076,19 @@ class UcxBackend(Backend):
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=2.0)
-        try:
-            self._app_module.ProgressTasks.pop(self._loop, None)
-        except Exception:
-            pass
         if not self._thread.is_alive() and not self._loop.is_closed():
             try:
                 self._loop.close()
             except Exception as e:
                 logger.debug("ucx shutdown: closing the loop failed: %s", e)
         self._peers.clear()
-        self._progress = None
         self._ctx = None
 
     def _stop_ucx_threads(self, ctx: Any) -> None:
-        """Stop the ucxx notifier and UCX progress threads, with bounded waits."""
+        """Stop the progress pump and ucxx's notifier thread, with bounded waits."""
+        engine = self._engine
+        if engine is not None and not engine.stop(timeout=2.0):
+            logger.debug("ucx shutdown: the progress pump did not stop in time")
         notifier = getattr(ctx, "notifier_thread", None)
         if notifier is not None:
             try:
@@ -1051,10 +1099,6 @@ class UcxBackend(Backend):
             notifier.join(timeout=2.0)
             if not notifier.is_alive():
                 ctx.notifier_thread = None
-        try:
-            ctx.worker.stop_progress_thread()
-        except Exception as e:
-            logger.debug("ucx shutdown: stopping the progress thread failed: %s", e)
 
     def __del__(self) -> None:  # pragma: no cover - best effort for leaked backends
         try:

@@ -20,7 +20,7 @@ pytest.importorskip("ucxx")
 ray = pytest.importorskip("ray")
 
 from rdt_transports._rendezvous import Rendezvous  # noqa: E402
-from rdt_transports.backends import ucx as ucx_mod  # noqa: E402
+from rdt_transports.backends import _ucx_ops, ucx as ucx_mod  # noqa: E402
 from rdt_transports.backends.base import BackendConfig  # noqa: E402
 from rdt_transports.backends.ucx import UcxBackend  # noqa: E402
 from rdt_transports.errors import (  # noqa: E402
@@ -141,6 +141,46 @@ def test_simultaneous_both_ways_from_threads(pair) -> None:
     assert torch.equal(a, got_a) and torch.equal(b, got_b)
 
 
+@pytest.mark.parametrize("nbytes", [_ucx_ops.INLINE_MAX, _ucx_ops.INLINE_MAX + 1])
+def test_inline_limit_both_sides_of_it(pair, nbytes: int) -> None:
+    """The largest payload that travels inside the header, and the smallest that follows it after the ACK."""
+    b0, b1 = pair
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    _exchange(b0, b1, src, dst, _tag(), recv_first=False)
+    assert torch.equal(src, dst)
+
+
+def test_many_threads_share_one_pair(pair) -> None:
+    """Eight threads per rank send and receive on one pair at once; every thread drives progress for all."""
+    b0, b1 = pair
+    base = _tag()
+    for _ in range(64):
+        _tag()
+    errors: List[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for k in range(4):
+                tag = base + i * 4 + k
+                src, dst = torch.full((100 + i,), float(tag)), torch.zeros(100 + i)
+                r = b1.irecv(dst, 0, tag)
+                s = b0.isend(src, 1, tag)
+                (s if i % 2 else r).wait(10)  # half the threads wait for the other side first
+                (r if i % 2 else s).wait(10)
+                assert torch.equal(src, dst)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_64mib_content(pair) -> None:
     b0, b1 = pair
     n = 64 << 20
@@ -170,6 +210,25 @@ def test_size_and_dtype_mismatch_fail_both_sides(pair) -> None:
     src, dst = torch.arange(5.0), torch.zeros(5)
     _exchange(b0, b1, src, dst, _tag())
     assert torch.equal(src, dst)
+
+
+def test_refused_fast_send_is_reported_by_the_next_send() -> None:
+    """A small send like one the receiver accepted before completes at once; when the receiver refuses it, it raises
+    at once and the sender's next send to that peer raises the refusal."""
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b0, b1, torch.ones(8), torch.zeros(8), 1)  # (32 bytes, float32) accepted: later ones are fast
+        s = b0.isend(torch.ones(8), 1, 2)
+        s.wait(10)  # completes before the receiver has even posted its receive
+        dst = torch.zeros(9)
+        with pytest.raises(TensorMismatchError):
+            b1.irecv(dst, 0, 2).wait(10)
+        assert torch.equal(dst, torch.zeros(9))  # untouched
+        with pytest.raises(TensorMismatchError, match="refused an earlier send"):
+            b0.isend(torch.ones(8), 1, 3).wait(10)
+    finally:
+        b0.shutdown()
+        b1.shutdown()
 
 
 def test_recv_without_sender_times_out(pair) -> None:
@@ -252,6 +311,7 @@ def test_abort_fails_pending_fast_and_shutdown_idempotent_quick() -> None:
         b.shutdown()
     assert time.monotonic() - t0 < 3.0
     assert not b0._thread.is_alive() and not b1._thread.is_alive()
+    assert not b0._engine.pump_alive and not b1._engine.pump_alive  # no thread left behind
 
 
 def test_shutdown_unconnected_is_quick() -> None:

@@ -1,0 +1,228 @@
+"""The ucx backend's send and receive, as operations advanced by whichever thread progresses the worker.
+
+Wire protocol per user tag ``t`` (each on its own UCX tag of the pair, keyed on worker-address pairs, hashed with
+the endpoint's random tag on listener pairs, so posting order does not matter and outsiders cannot match):
+
+* ``HDR(t)``: the sender's header (size, dtype code, flags). Up to :data:`INLINE_MAX` bytes of a host tensor travel
+  inside it, after the header (one message, one copy on each side); larger or CUDA payloads follow on ``t`` itself.
+* ``REPLY(t)``: the receiver's verdict, ACK or NACK with what it expected. A NACK makes both sides raise
+  TensorMismatchError; the sender sends a separate payload only after an ACK, so it never blocks on a receiver that
+  will not take it and large payloads stay out of UCX's unexpected-message queue.
+
+The receiver posts its HDR receive with room for the largest inline payload, so a message is never truncated
+whatever the two sides' sizes are; it decides from the header alone whether a payload follows.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, List, Optional
+
+import torch
+
+from ._ucx_progress import Op
+
+# Control record: kind, dtype code, flags, tag, nbytes, reserved (same layout as the connection's control tag).
+CTL = struct.Struct("<BBHIQQ")
+HDR, ACK, NACK = 1, 2, 3
+INLINE = 1  # flag: the payload follows the header in the same message
+INLINE_MAX = 64 << 10
+AGREED_MAX = 16  # (size, dtype) pairs per peer whose small sends skip waiting for their own verdict
+HDR_TAG = 1 << 36  # sub-tags of a user tag (user tags are < 2**31)
+REPLY_TAG = 2 << 36
+
+
+class P2POp(Op):
+    """Common part of a send or receive on one pair: waits for the connection, then runs its steps."""
+
+    kind = ""
+
+    def __init__(self, backend: Any, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.backend = backend
+        self.peer = peer
+        self.tag = tag
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.dcode = backend._dtype_code(tensor.dtype)
+        self.state: Any = None
+        self.reqs: List[Any] = []
+        self.buffers: List[Any] = []  # kept alive while UCX may touch them
+
+    def requests(self) -> List[Any]:
+        return self.reqs
+
+    def start(self) -> None:
+        self.backend._ensure_connection(self.peer)
+        self.advance()
+
+    def advance(self) -> None:
+        if self.state is None:
+            state = self.backend._peers.get(self.peer)
+            if state is not None and state.error is not None:
+                raise state.error
+            if state is None or state.ep is None or state.ep._ep is None:
+                return  # still connecting (the loop thread attaches the endpoint, then wakes us)
+            self.state = state
+            self.begin()
+        if self.state.error is not None:
+            raise self.state.error
+        for r in self.reqs:
+            if r.completed:
+                r.check_error()
+        self.step()
+
+    def begin(self) -> None:
+        """Post the first requests on the connected pair."""
+
+    def step(self) -> None:
+        """Take the next step when the requests allow it."""
+
+    def send(self, buf: Any, subtag: int) -> Any:
+        request = self.backend._raw_send(self.state, buf, subtag)
+        self.buffers.append(buf)
+        return request
+
+    def recv(self, buf: Any, subtag: int) -> Any:
+        request = self.backend._raw_recv(self.state, buf, subtag)
+        self.buffers.append(buf)
+        return request
+
+    def reply(self, kind: int) -> Any:
+        """Send ACK/NACK for this tag. A NACK is left to complete in the background (the operation fails now);
+        an ACK is returned, and the receive ends only when it is out (it needs progress over tcp)."""
+        buf = bytearray(CTL.pack(kind, self.dcode, 0, self.tag, self.nbytes, 0))
+        request = self.backend._raw_send(self.state, buf, REPLY_TAG | self.tag)
+        self.buffers.append(buf)
+        if kind != ACK:
+            self.backend._engine.background(request)
+        return request
+
+    def mismatch(self, their_nbytes: int, their_dcode: int) -> BaseException:
+        return self.backend._mismatch(self.kind, self.peer, self.tag, self.nbytes, self.dcode, their_nbytes,
+                                      their_dcode)
+
+
+class SendOp(P2POp):
+    """Header (with the payload inline when small and on the host), then the verdict, then a large payload.
+
+    A small host send whose (size, dtype) the receiver already accepted on this pair (one of the last
+    :data:`AGREED_MAX` accepted) does not wait for its own verdict ("fast"): it completes once its message is out
+    and the verdict of the pair's previous send has come back. So a receiver that changed its mind makes the
+    sender raise at its next send to that peer; a new (size, dtype), a large or a CUDA send waits for its own
+    verdict and raises on that very message."""
+
+    kind = "send"
+
+    def begin(self) -> None:
+        self.verdict = bytearray(CTL.size)
+        self.reply_req = self.recv(self.verdict, REPLY_TAG | self.tag)
+        inline = self.nbytes <= INLINE_MAX and not self.tensor.is_cuda
+        head = CTL.pack(HDR, self.dcode, INLINE if inline else 0, self.tag, self.nbytes, 0)
+        if inline:
+            msg = bytearray(CTL.size + self.nbytes)
+            msg[:CTL.size] = head
+            if self.nbytes:
+                memoryview(msg)[CTL.size:] = self.backend._host_bytes(self.tensor)
+        else:
+            msg = bytearray(head)
+        self.inline = inline
+        self.data_req: Optional[Any] = None
+        self.head_req = self.send(msg, HDR_TAG | self.tag)
+        self.reqs = [self.reply_req, self.head_req]
+        state = self.state
+        self.fast = inline and (self.nbytes, self.dcode) in state.agreed
+        self.prev: Optional[SendOp] = state.unverified  # its verdict must be in before this send completes
+        state.unverified = self
+
+    def requests(self) -> List[Any]:
+        return self.reqs
+
+    def step(self) -> None:
+        if not self._prev_verified():
+            return
+        if self.data_req is not None:
+            if _all_done(self.reqs):
+                self.finish()
+            return
+        if self.fast:
+            if _all_done([self.head_req]):
+                self.finish()  # the verdict is read by the next send to this peer
+            return
+        if not self.reply_req.completed:
+            return
+        kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(self.verdict))
+        if kind != ACK:
+            raise self.mismatch(their_nbytes, their_dcode)
+        agreed = self.state.agreed
+        agreed[(self.nbytes, self.dcode)] = None
+        if len(agreed) > AGREED_MAX:
+            del agreed[next(iter(agreed))]
+        if self.inline or not self.nbytes:
+            if _all_done(self.reqs):
+                self.finish()
+            else:
+                self.data_req = self.head_req  # the header (with the payload) is still going out
+            return
+        self.data_req = self.send(self.backend._byte_view(self.tensor), self.tag)
+        self.reqs.append(self.data_req)
+        if _all_done(self.reqs):
+            self.finish()
+
+    def _prev_verified(self) -> bool:
+        """True once the previous send's verdict is in; raises when it refused a fast send (which completed)."""
+        prev = self.prev
+        if prev is None:
+            return True
+        if not prev.reply_req.completed:
+            return False
+        self.prev = None
+        prev.reply_req.check_error()
+        kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(prev.verdict))
+        if kind != ACK and prev.fast:
+            self.state.agreed.clear()
+            raise self.backend._late_mismatch(self.peer, self.tag, prev.tag, prev.nbytes, prev.dcode, their_nbytes,
+                                              their_dcode)
+        return True
+
+
+class RecvOp(P2POp):
+    """Header (maybe with the payload), check it, answer; the payload lands in the user's tensor."""
+
+    kind = "recv"
+
+    def begin(self) -> None:
+        self.head = bytearray(CTL.size + INLINE_MAX)
+        self.head_req = self.recv(self.head, HDR_TAG | self.tag)
+        self.data_req: Optional[Any] = None
+        self.reqs = [self.head_req]
+
+    def step(self) -> None:
+        if self.data_req is not None:
+            if _all_done(self.reqs):
+                self.finish()
+            return
+        if not self.head_req.completed:
+            return
+        kind, their_dcode, flags, _, their_nbytes, _ = CTL.unpack_from(self.head)
+        if kind != HDR or their_nbytes != self.nbytes or (self.dcode and their_dcode and their_dcode != self.dcode):
+            self.reply(NACK)
+            raise self.mismatch(their_nbytes, their_dcode)
+        if flags & INLINE or not self.nbytes:
+            if self.nbytes:
+                self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
+            self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
+        else:
+            self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
+            self.reqs.append(self.reply(ACK))
+        self.reqs.append(self.data_req)
+        if _all_done(self.reqs):
+            self.finish()
+
+
+def _all_done(requests: List[Any]) -> bool:
+    """True when every request completed; raises the first one's error."""
+    if not all(r.completed for r in requests):
+        return False
+    for r in requests:
+        r.check_error()
+    return True
