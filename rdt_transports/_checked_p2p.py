@@ -155,8 +155,7 @@ class CheckedP2P:
             b.isend(staged, dst, self._tag(seq, _D)).wait(left(deadline))
             return
         if mine[0] < ACK_NOW_BYTES:
-            w = b.isend(t, dst, self._tag(seq, _D))
-            w.wait(left(deadline))
+            b.send_wait(t, dst, self._tag(seq, _D), left(deadline))
             return
         verdict = torch.zeros(3, dtype=torch.int64)
         w_verdict = b.irecv(verdict, dst, self._tag(seq, _V))
@@ -236,8 +235,7 @@ class CheckedP2P:
         canary = os.urandom(CANARY)
         _poke(landing, canary)
         try:
-            w = self._b.irecv(landing, src, self._tag(seq, _D))
-            w.wait(self._left(deadline))
+            self._b.recv_wait(landing, src, self._tag(seq, _D), self._left(deadline))
         except BaseException:
             if _peek(landing) == canary:
                 _poke(landing, saved)
