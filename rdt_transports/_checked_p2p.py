@@ -74,14 +74,14 @@ def _trailer(mode: int, desc: Desc) -> torch.Tensor:
 
 def _peek(t: torch.Tensor) -> bytes:
     """The first CANARY bytes of contiguous ``t`` (ctypes on CPU: a few torch calls cost ~50 us per receive)."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return ctypes.string_at(t.data_ptr(), CANARY)
     return _bytes(t)[:CANARY].cpu().numpy().tobytes()
 
 
 def _poke(t: torch.Tensor, data: bytes) -> None:
     """Overwrite the first CANARY bytes of contiguous ``t`` with ``data``."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         ctypes.memmove(t.data_ptr(), data, CANARY)
     else:
         _bytes(t)[:CANARY].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

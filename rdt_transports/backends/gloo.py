@@ -111,8 +111,7 @@ class _GlooWork(Work):
         deadline = time.monotonic() + timeout
         if self._direct:
             try:
-                r = self._gloo_wait(deadline)
-                return r
+                return self._gloo_wait(deadline)
             except Exception:
                 self._check_abort()  # the abort shut the pairs down: report the abort, not the closed connection
                 raise
