@@ -1,7 +1,8 @@
 """Transfer and collective metrics through ``ray.util.metrics``, so they show on the Ray dashboard and Prometheus.
 
 One :class:`Metrics` per process (held by the process context). Metric objects are made on first use; outside a
-Ray worker every call is a no-op. Names (Prometheus adds Ray's ``ray_`` prefix):
+Ray worker every call is a no-op. Collective and p2p calls are queued and handed to Ray by a background thread every
+``OP_FLUSH_S`` (0.5 s), off the calls' critical path. Names (Prometheus adds Ray's ``ray_`` prefix):
 
 ==================================  =========  ======================================================
 rdt_transfers_total                 counter    object transfers, by transport and direction (in/out)
