@@ -26,6 +26,7 @@ complete a receive with a shorter message (Gloo does).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Callable, Dict, Optional, Tuple
@@ -48,11 +49,13 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 Desc = Tuple[int, int]  # (nbytes, dtype code)
 
 
+_CODES = {d: i for i, d in enumerate(DTYPES)}
+
+
 def describe(t: torch.Tensor) -> Desc:
     """(nbytes, dtype code) of ``t``; a dtype outside the table gets a code past its end."""
-    try:
-        code = DTYPES.index(t.dtype)
-    except ValueError:
+    code = _CODES.get(t.dtype)
+    if code is None:
         code = len(DTYPES) + sum(str(t.dtype).encode()) % 1000
     return t.numel() * t.element_size(), code
 
@@ -67,6 +70,21 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _trailer(mode: int, desc: Desc) -> torch.Tensor:
     return torch.tensor([mode, desc[0], desc[1]], dtype=torch.int64)
+
+
+def _peek(t: torch.Tensor) -> bytes:
+    """The first CANARY bytes of contiguous ``t`` (ctypes on CPU: a few torch calls cost ~50 us per receive)."""
+    if t.is_cpu:
+        return ctypes.string_at(t.data_ptr(), CANARY)
+    return _bytes(t)[:CANARY].cpu().numpy().tobytes()
+
+
+def _poke(t: torch.Tensor, data: bytes) -> None:
+    """Overwrite the first CANARY bytes of contiguous ``t`` with ``data``."""
+    if t.is_cpu:
+        ctypes.memmove(t.data_ptr(), data, CANARY)
+    else:
+        _bytes(t)[:CANARY].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 class _Direction:
@@ -91,6 +109,9 @@ class CheckedP2P:
         self._recv: Dict[int, _Direction] = {}
 
     def _direction(self, table: Dict[int, _Direction], peer: int) -> _Direction:
+        d = table.get(peer)  # entries are only ever added: a lock-free hit is safe
+        if d is not None:
+            return d
         with self._lock:
             d = table.get(peer)
             if d is None:
@@ -133,13 +154,15 @@ class CheckedP2P:
             staged[_HDR:].copy_(_bytes(t))
             b.isend(staged, dst, self._tag(seq, _D)).wait(left(deadline))
             return
+        if mine[0] < ACK_NOW_BYTES:
+            b.send_wait(t, dst, self._tag(seq, _D), left(deadline))
+            return
         verdict = torch.zeros(3, dtype=torch.int64)
-        w_verdict = b.irecv(verdict, dst, self._tag(seq, _V)) if mine[0] >= ACK_NOW_BYTES else None
+        w_verdict = b.irecv(verdict, dst, self._tag(seq, _V))
         b.isend(t, dst, self._tag(seq, _D)).wait(left(deadline))
-        if w_verdict is not None:
-            w_verdict.wait(left(deadline))
-            if int(verdict[0]) != 1:
-                raise _sender_mismatch(dst, verdict, mine, "the receiver discarded the data")
+        w_verdict.wait(left(deadline))
+        if int(verdict[0]) != 1:
+            raise _sender_mismatch(dst, verdict, mine, "the receiver discarded the data")
 
     def _send_slow(self, t: torch.Tensor, dst: int, seq: int, mine: Desc, d: _Direction, deadline: float) -> None:
         b, left = self._b, self._left
@@ -207,18 +230,18 @@ class CheckedP2P:
                      deadline: float) -> Optional[Desc]:
         """The first message into ``t`` (FAST) or scratch (SLOW) behind a canary: data, or a SLOW sender's nothing."""
         fast = mine == a
-        landing = _bytes(t) if fast else torch.empty(a[0], dtype=torch.uint8)
-        saved = landing[:CANARY].clone()
-        canary = torch.frombuffer(bytearray(os.urandom(CANARY)), dtype=torch.uint8)
-        landing[:CANARY].copy_(canary)
+        landing = t if fast else torch.empty(a[0], dtype=torch.uint8)  # Gloo matches bytes, not dtypes
+        saved = _peek(landing)
+        canary = os.urandom(CANARY)
+        _poke(landing, canary)
         try:
-            self._b.irecv(landing, src, self._tag(seq, _D)).wait(self._left(deadline))
+            self._b.recv_wait(landing, src, self._tag(seq, _D), self._left(deadline))
         except BaseException:
-            if torch.equal(landing[:CANARY], canary):
-                landing[:CANARY].copy_(saved)
+            if _peek(landing) == canary:
+                _poke(landing, saved)
             raise
-        if torch.equal(landing[:CANARY], canary):  # a SLOW sender's empty message: its trailer follows
-            landing[:CANARY].copy_(saved)
+        if _peek(landing) == canary:  # a SLOW sender's empty message: its trailer follows
+            _poke(landing, saved)
             return self._read_trailer(src, seq, deadline)
         if fast:  # a FAST sender's data, in place
             if a[0] >= ACK_NOW_BYTES:

@@ -48,8 +48,7 @@ class ProcessContext:
             return list(self._groups.values())
 
     def get(self, name: str) -> CollectiveGroup:
-        with self._lock:
-            group = self._groups.get(name)
+        group = self._groups.get(name)  # one dict read is atomic: no lock on every call's path
         if group is None:
             known = ", ".join(repr(n) for n in self.names()) or "none"
             raise GroupNotFoundError(

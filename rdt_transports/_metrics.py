@@ -1,7 +1,8 @@
 """Transfer and collective metrics through ``ray.util.metrics``, so they show on the Ray dashboard and Prometheus.
 
 One :class:`Metrics` per process (held by the process context). Metric objects are made on first use; outside a
-Ray worker every call is a no-op. Names (Prometheus adds Ray's ``ray_`` prefix):
+Ray worker every call is a no-op. Collective and p2p calls are queued and handed to Ray by a background thread every
+``OP_FLUSH_S`` (0.5 s), off the calls' critical path. Names (Prometheus adds Ray's ``ray_`` prefix):
 
 ==================================  =========  ======================================================
 rdt_transfers_total                 counter    object transfers, by transport and direction (in/out)
@@ -17,13 +18,19 @@ rdt_collective_latency_seconds      histogram  call duration, by backend and op
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Deque, Dict, Optional, Tuple
+
+from . import _lifecycle
 
 logger = logging.getLogger("rdt_transports")
 
 _BOUNDARIES = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0]
+OP_FLUSH_S = 0.5  # calls' metrics reach Ray this often (Ray itself exports every few seconds)
+OP_BACKLOG = 1 << 16  # calls queued between flushes at most; past it the oldest go unrecorded
+_Op = Tuple[str, str, int, float, bool]  # backend, op, nbytes, seconds, ok
 
 
 class Metrics:
@@ -33,6 +40,11 @@ class Metrics:
         self._m: Optional[Dict[str, Any]] = None
         self._lock = threading.Lock()
         self._disabled = False
+        # Calls' metrics wait here for the flusher thread: three Ray metric calls cost ~30 us of a p2p call's
+        # critical path (measured at 64 KiB), a deque append well under 1 us.
+        self._ops: Deque[_Op] = collections.deque(maxlen=OP_BACKLOG)
+        self._flusher: Optional[threading.Thread] = None
+        self._stop = threading.Event()
 
     def _get(self) -> Optional[Dict[str, Any]]:
         if self._m is not None or self._disabled:
@@ -99,14 +111,48 @@ class Metrics:
                 logger.debug("rdt metrics: gauge not set", exc_info=True)
 
     def op(self, backend: str, op: str, nbytes: int, seconds: float, ok: bool) -> None:
+        """Queue one collective/p2p call's metrics; a background thread hands them to Ray every OP_FLUSH_S."""
+        self._ops.append((backend, op, nbytes, seconds, ok))
+        if self._flusher is None:
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        with self._lock:
+            if self._flusher is not None or self._stop.is_set() or _lifecycle.exiting():
+                return
+            self._flusher = _lifecycle.spawn(self._flush_loop, "rdt-metrics-flush")
+        _lifecycle.at_exit(self._stop.set)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(OP_FLUSH_S):
+            self.flush_ops()
+
+    def flush_ops(self) -> None:
+        """Hand the queued calls to Ray now: counters summed per label set, one histogram point per call."""
+        ops = self._ops
+        batch = []
+        while ops:
+            try:
+                batch.append(ops.popleft())
+            except IndexError:
+                break
+        if not batch:
+            return
         m = self._get()
         if m is None:
             return
+        calls: Dict[Tuple[str, str, str], int] = collections.Counter()
+        nbytes: Dict[Tuple[str, str], int] = collections.Counter()
         try:
-            m["ops"].inc(1, tags={"backend": backend, "op": op, "status": "ok" if ok else "error"})
-            if ok:
-                tags = {"backend": backend, "op": op}
-                m["op_bytes"].inc(max(nbytes, 0), tags=tags)
-                m["op_latency"].observe(seconds, tags=tags)
+            for backend, op, n, seconds, ok in batch:
+                calls[(backend, op, "ok" if ok else "error")] += 1
+                if ok:
+                    nbytes[(backend, op)] += max(n, 0)
+                    m["op_latency"].observe(seconds, tags={"backend": backend, "op": op})
+            for (backend, op, status), count in calls.items():
+                m["ops"].inc(count, tags={"backend": backend, "op": op, "status": status})
+            for (backend, op), total in nbytes.items():
+                if total > 0:
+                    m["op_bytes"].inc(total, tags={"backend": backend, "op": op})
         except Exception:
-            logger.debug("rdt metrics: op not recorded", exc_info=True)
+            logger.debug("rdt metrics: calls not recorded", exc_info=True)

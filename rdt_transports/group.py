@@ -19,7 +19,7 @@ import torch
 
 from . import algorithms
 from ._checked_p2p import CheckedP2P
-from ._tensors import FLOAT_DTYPES, as_torch, check_same, check_tensor
+from ._tensors import FLOAT_DTYPES, SUPPORTED_DTYPES, as_torch, check_same, check_tensor
 from .backends.base import TAG_KIND_OBJECT, TAG_KIND_P2P, TAG_KIND_SHIFT, Backend, Work
 from .errors import (
     CollectiveTimeoutError,
@@ -112,11 +112,13 @@ class CollectiveGroup:
         self.metrics: Optional[Any] = None  # rdt_transports._metrics.Metrics, set by the process context
         # send/recv check size and dtype here when the backend cannot (see _checked_p2p)
         self._checked = None if backend.capabilities.checks_p2p_sizes else CheckedP2P(backend, _left)
+        self._devices = backend.capabilities.devices  # read on every call: kept at hand
+        self._backend_name = backend.capabilities.name
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def backend_name(self) -> str:
-        return self.backend.capabilities.name
+        return self._backend_name
 
     @property
     def state(self) -> GroupState:
@@ -304,8 +306,9 @@ class CollectiveGroup:
 
     def _run(self, op: str, timeout: Timeout, fn: Callable[[float], None], nbytes: int, peer: Optional[int] = None) -> None:
         """Run ``fn(deadline)`` with lifecycle checks and typed errors."""
-        self._check_usable(op)
-        seconds = to_seconds(timeout, self.timeout)
+        if self._state is not GroupState.HEALTHY:
+            self._check_usable(op)
+        seconds = self.timeout if timeout is None else to_seconds(timeout, self.timeout)
         start = time.monotonic()
         deadline = start + seconds
         call_id = next(self._call_ids)
@@ -367,7 +370,7 @@ class CollectiveGroup:
     def _record(self, op: str, nbytes: int, start: float, error: Optional[BaseException], peer: Optional[int]) -> None:
         """Metrics for one call, and a log line with its context when it failed."""
         if self.metrics is not None:
-            self.metrics.op(self.backend_name, op, nbytes, time.monotonic() - start, error is None)
+            self.metrics.op(self._backend_name, op, nbytes, time.monotonic() - start, error is None)
         if error is not None:
             logger.warning("rdt_transports: group=%s backend=%s rank=%d peer=%s op=%s failed after %.3fs: %s: %s",
                            self.name, self.backend_name, self.rank, peer, op, time.monotonic() - start,
@@ -387,9 +390,19 @@ class CollectiveGroup:
             counter = table.setdefault(peer, itertools.count())
             return make_tag(TAG_P2P, next(counter))
 
+    def _p2p_args(self, tensor: Any, peer: Any) -> bool:
+        """Whether a send/recv's tensor and peer are plainly valid (the checks of ``_tensor`` and ``_check_rank``,
+        inline: the usual call skips their frames; anything else goes through them for the typed error)."""
+        return (type(tensor) is torch.Tensor and type(peer) is int and 0 <= peer < self.world_size
+                and peer != self.rank and tensor.dtype in SUPPORTED_DTYPES and tensor.is_contiguous()
+                and tensor.device.type in self._devices)
+
     def send(self, tensor: Any, dst_rank: int, *, timeout: Timeout = None) -> None:
-        t = self._tensor(tensor, "tensor", "send")
-        dst = self._check_rank(dst_rank, "dst_rank", "send")
+        if self._p2p_args(tensor, dst_rank):
+            t, dst = tensor, dst_rank
+        else:
+            t = self._tensor(tensor, "tensor", "send")
+            dst = self._check_rank(dst_rank, "dst_rank", "send")
         if dst == self.rank:
             raise InvalidArgumentError("cannot send to self", group=self.name, rank=self.rank, peer=dst, op="send",
                                        hint="pick another rank as dst_rank")
@@ -401,8 +414,11 @@ class CollectiveGroup:
         self._run("send", timeout, body, _nbytes(t), peer=dst)
 
     def recv(self, tensor: Any, src_rank: int, *, timeout: Timeout = None) -> None:
-        t = self._tensor(tensor, "tensor", "recv")
-        src = self._check_rank(src_rank, "src_rank", "recv")
+        if self._p2p_args(tensor, src_rank):
+            t, src = tensor, src_rank
+        else:
+            t = self._tensor(tensor, "tensor", "recv")
+            src = self._check_rank(src_rank, "src_rank", "recv")
         if src == self.rank:
             raise InvalidArgumentError("cannot receive from self", group=self.name, rank=self.rank, peer=src,
                                        op="recv", hint="pick another rank as src_rank")

@@ -82,6 +82,14 @@ class Backend(abc.ABC):
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Post a receive into ``tensor`` (contiguous) from ``peer``."""
 
+    def send_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """Post a send and wait for it: the common case in one call, so a backend may skip its Work object."""
+        self.isend(tensor, peer, tag).wait(timeout)
+
+    def recv_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """Post a receive and wait for it (see :meth:`send_wait`)."""
+        self.irecv(tensor, peer, tag).wait(timeout)
+
     def native(self) -> Optional["NativeCollectives"]:
         """The backend's own collectives, or None when every collective must be built from p2p."""
         return None

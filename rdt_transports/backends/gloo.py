@@ -287,6 +287,37 @@ class GlooBackend(Backend):
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         return self._p2p("recv", self.pg.recv, tensor, peer, tag)
 
+    def send_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """Send and wait in the caller's thread with no Work wrapper (where an abort can wake the wait)."""
+        if self._pairs is None or is_object_tag(tag):
+            self._p2p("send", self.pg.send, tensor, peer, tag).wait(timeout)
+        else:
+            self._p2p_now("send", self.pg.send, tensor, peer, tag, timeout)
+
+    def recv_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """Receive and wait in the caller's thread (see :meth:`send_wait`)."""
+        if self._pairs is None or is_object_tag(tag):
+            self._p2p("recv", self.pg.recv, tensor, peer, tag).wait(timeout)
+        else:
+            self._p2p_now("recv", self.pg.recv, tensor, peer, tag, timeout)
+
+    def _p2p_now(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """Post and wait in Gloo itself: what ``_p2p(...).wait()`` does on direct pairs, minus ~10 us of wrapping."""
+        aborted = self._aborted
+        if aborted.is_set():
+            raise GroupDestroyedError(f"{op} refused: the group was aborted", peer=peer, op=op,
+                                      hint="destroy the group and create it again")
+        posted = False
+        try:
+            work = post([tensor], peer, tag)
+            posted = True
+            work.wait(timedelta(seconds=max(timeout, 0.001)))
+        except RuntimeError as e:
+            if posted and aborted.is_set():  # the abort shut the pairs down: report the abort
+                raise GroupDestroyedError(f"{op} ended: the group was aborted", peer=peer, op=op,
+                                          hint="destroy the group and create it again") from e
+            raise classify(e, op=op, peer=peer, timeout=timeout if posted else self.config.timeout) from e
+
     def _p2p(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Post a send/recv; a pair already closed (peer gone, group aborted) raises a typed error at once."""
         if self._aborted.is_set():
