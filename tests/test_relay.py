@@ -31,6 +31,15 @@ def _shapes(value):
     return {k: (str(v.dtype), tuple(v.shape), "") for k, v in value.items()}
 
 
+def _tear_down(pid: int, group, actors) -> None:
+    """Kill the stopped or killed relay if it still lives, then the group and every actor."""
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    rdt.destroy_collective_group(group)
+    for a in actors:
+        ray.kill(a)
+
+
 @pytest.fixture(scope="module")
 def chain(ray_cluster):
     """p (producer) and c1..c3 (consumers) in one gloo group; the expected digests of the state dict."""
@@ -120,11 +129,7 @@ def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
         del ref
         assert wait_for(lambda: rdt.stats(p)["objects"] == 0, timeout=30)
     finally:
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-        rdt.destroy_collective_group(group)
-        for a in actors:
-            ray.kill(a)
+        _tear_down(pid, group, actors)
 
 
 def test_a_stalled_relay_costs_its_followers_at_most_the_stall_timeout(ray_cluster):
@@ -161,8 +166,4 @@ def test_a_stalled_relay_costs_its_followers_at_most_the_stall_timeout(ray_clust
         os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: _relay(p)["chains"] == 0, timeout=40)
     finally:
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-        rdt.destroy_collective_group(group)
-        for a in actors:
-            ray.kill(a)
+        _tear_down(pid, group, actors)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, List, Tuple
 
 import torch
 
@@ -35,13 +36,19 @@ def test_requests_while_the_tail_receives_form_one_chain_in_arrival_order():
     assert t.snapshot()["chains"] == 0 and t.snapshot()["open_tails"] == 0
 
 
-def test_a_held_poll_is_answered_when_a_follower_joins():
-    t = _relay.RelayTable()
+def _held_poll(t: _relay.RelayTable) -> Tuple[threading.Thread, List[Any]]:
+    """Rank 1 heads a new chain and polls for its follower on a thread; (the thread, what the poll returned)."""
     cid, _, _ = t.join(OBJ, UID, 1, 0, _far())
-    got = []
+    got: List[Any] = []
     poll = threading.Thread(target=lambda: got.append(t.next_of(cid, 1, False, 10.0)))
     poll.start()
     time.sleep(0.05)
+    return poll, got
+
+
+def test_a_held_poll_is_answered_when_a_follower_joins():
+    t = _relay.RelayTable()
+    poll, got = _held_poll(t)
     assert got == []  # held: nobody joined yet
     t.join(OBJ, UID, 2, 77, _far())
     poll.join(5)
@@ -76,11 +83,7 @@ def test_nobody_joins_behind_a_head_the_producer_failed_to_send_to():
 
 def test_freeing_the_object_answers_held_polls():
     t = _relay.RelayTable()
-    cid, _, _ = t.join(OBJ, UID, 1, 0, _far())
-    got = []
-    poll = threading.Thread(target=lambda: got.append(t.next_of(cid, 1, False, 10.0)))
-    poll.start()
-    time.sleep(0.05)
+    poll, got = _held_poll(t)
     t.forget(OBJ)
     poll.join(5)
     assert got == [None]
