@@ -56,6 +56,10 @@ class RelayNode:
     def configure(self, **kw: Any) -> None:
         rdt.configure(**kw)
 
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a test hook (a module-level function of this file) in this actor."""
+        return fn(*args)
+
     def stats(self) -> Dict[str, Any]:
         return rdt.stats()
 
@@ -81,3 +85,22 @@ class RelayNode:
 
     def digest_arg(self, value: Dict[str, torch.Tensor]) -> Any:
         return ("ok", digests(value), 0.0)
+
+
+def hold_first_relay_post(marker: str) -> None:
+    """(worker side, in a consumer) the next chained fetch posts its receives from a relay only once ``marker``
+    exists (at most 30 s): the test kills that relay first, so the receives are posted to a peer already gone."""
+    from rdt.transports import group as group_transport
+
+    cls = group_transport._RelayReceive
+    original = cls._post
+
+    def held(self: Any, source: int, tag_base: int, first: int) -> Any:
+        if source != self.ref.rank:
+            cls._post = original
+            end = time.monotonic() + 30.0
+            while not os.path.exists(marker) and time.monotonic() < end:
+                time.sleep(0.01)
+        return original(self, source, tag_base, first)
+
+    cls._post = held
