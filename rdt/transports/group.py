@@ -418,14 +418,16 @@ class _RelayReceive:
 
     def run(self, source: int, position: int, tag_base: int) -> None:
         producer, n = self.ref.rank, len(self.parts)
+        head = source == producer  # only a chain's head is sent to after its "receives posted" message
         try:
             recvs = self._post(source, tag_base, 0)
         except (CollectiveTimeoutError, CommunicationError) as e:  # our source is already known to be gone
-            if source == producer:
+            if head:
                 raise
+            # The producer serves a resumed fetch at once (no GO), so none is sent below.
             recvs, source = self._resume(source, 0, e), producer
         extra: List[Any] = []
-        if source == producer and _control.waits_for_go("gloo", self.meta.nbytes):
+        if head and _control.waits_for_go("gloo", self.meta.nbytes):
             extra.append(self.group.backend.isend(torch.ones(1, dtype=torch.uint8), producer,
                                                   make_tag(TAG_OBJECT, tag_base + n)))
         poll = self.table.pollers().submit(self._ask_next, False)  # reused threads: nothing to start per fetch
