@@ -8,8 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List
 
 import pytest
 
@@ -31,30 +30,12 @@ def _bench(*args: str, timeout: float = 180, env: Dict[str, str] = None) -> subp
                           text=True, timeout=timeout, env=env)
 
 
-Run = Tuple[Path, "Future[subprocess.CompletedProcess]"]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Run]]:
-    """The two full rdt-bench runs, started together when the module starts (each on a local cluster of its own,
-    before this module's shared one exists): they overlap on two cores, ~40 s instead of ~60 s one after another."""
-    quick, tiny = tmp_path_factory.mktemp("bench-quick"), tmp_path_factory.mktemp("bench-weight-sync")
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rdt-bench") as pool:
-        yield {
-            "quick": (quick, pool.submit(_bench, "--quick", "--suites", "p2p,allreduce,objects", "--backends",
-                                         "gloo,nixl", "--world-sizes", "2", "--sizes", "4K,256K", "--out",
-                                         str(quick), timeout=240)),
-            "weight-sync": (tiny, pool.submit(_bench, "--quick", "--suites", "weight-sync", "--weight-sync-scale",
-                                              "0.01", "--weight-sync-workers", "1,4", "--object-store-mb", "512",
-                                              "--out", str(tiny), timeout=240)),
-        }
-
-
-@pytest.mark.timeout(280)
-def test_rdt_bench_quick(runs: Dict[str, Run]) -> None:
+# The smoke test runs first: its rdt-bench starts its own cluster, before this module's shared one exists.
+@pytest.mark.timeout(220)
+def test_rdt_bench_quick(tmp_path: Path) -> None:
     """rdt-bench --quick over all three suites exits 0 with positive throughput, and every row says what ran."""
-    tmp_path, future = runs["quick"]
-    proc = future.result(timeout=250)
+    proc = _bench("--quick", "--suites", "p2p,allreduce,objects", "--backends", "gloo,nixl", "--world-sizes", "2",
+                  "--sizes", "4K,256K", "--out", str(tmp_path), timeout=200)
     assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 1, f"expected one JSON file in {tmp_path}, got {files}"
@@ -87,8 +68,8 @@ def test_rdt_bench_quick(runs: Dict[str, Run]) -> None:
     assert "== only in A (0) ==" in same.stdout and "== only in B (0) ==" in same.stdout
 
 
-@pytest.mark.timeout(280)
-def test_weight_sync_suite_tiny(runs: Dict[str, Run]) -> None:
+@pytest.mark.timeout(200)
+def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
     """rdt-bench --suites weight-sync at a tiny scale, 1 and 4 workers: every mechanism has its labelled row with
     per-worker memory, the rdt.get(into=) rows are measured or say they are not available in this build, the
     tensor-count objects are measured per transport, and the suite's targets are in the summary."""
@@ -96,8 +77,8 @@ def test_weight_sync_suite_tiny(runs: Dict[str, Run]) -> None:
 
     from benchmarks._weight_sync import CASES, COUNTS, UNAVAILABLE, model_shape
 
-    tmp_path, future = runs["weight-sync"]
-    proc = future.result(timeout=250)
+    proc = _bench("--quick", "--suites", "weight-sync", "--weight-sync-scale", "0.01", "--weight-sync-workers", "1,4",
+                  "--object-store-mb", "512", "--out", str(tmp_path), timeout=180)
     assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     (path,) = sorted(tmp_path.glob("*.json"))
     data = json.loads(path.read_text())
