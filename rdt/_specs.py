@@ -174,6 +174,9 @@ class SpecTable(Sequence[TensorSpec]):
         one ``as_strided`` per leaf."""
         dtypes = [getattr(torch, n) for n in self.names]
         sizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+        fast = self._rebuild_block(buffers, dtypes, sizes)
+        if fast is not None:
+            return fast
         bases = _Bases(buffers, dtypes, sizes)
         out: List[Any] = []
         for b, di, k, off, shape, stride in zip(self.buffer, self.dtype, self.kind, self.offset, self.shape,
@@ -195,6 +198,27 @@ class SpecTable(Sequence[TensorSpec]):
 
                 out.append(cupy.asarray(t))
         return out
+
+
+    def _rebuild_block(self, buffers: Sequence[torch.Tensor], dtypes: List[torch.dtype],
+                       sizes: List[int]) -> Optional[List[Any]]:
+        """The common case of a many-tensor object, plain torch leaves landed in one block (BlockViews): one typed
+        view of the block per dtype and one ``as_strided`` per leaf, no per-leaf lookups. None: not this case."""
+        block = getattr(buffers, "block", None)
+        if block is None or not self.buffer or min(self.buffer) < 0 or any(self.kind):
+            return None
+        start = block.storage_offset()
+        if any(start % es for es in sizes):
+            return None
+        storage = block.untyped_storage()
+        typed = []
+        for d, es in zip(dtypes, sizes):
+            view = torch.empty(0, dtype=d, device=block.device)
+            view.set_(storage, 0, (storage.nbytes() // es,), (1,))
+            typed.append(view)
+        offsets = buffers.offsets  # type: ignore[attr-defined]  # multiples of 64 bytes from the block's start
+        return [typed[di].as_strided(shape, stride, (start + offsets[b]) // sizes[di] + off)
+                for b, di, off, shape, stride in zip(self.buffer, self.dtype, self.offset, self.shape, self.stride)]
 
 
 class _Bases:

@@ -42,6 +42,25 @@ def test_rebuild_from_one_block_and_from_separate_buffers():
         assert storages <= owners  # views of what was received: nothing copied
 
 
+def test_plain_leaves_in_one_block_take_the_direct_path_and_match():
+    """Plain torch leaves of mixed dtypes and layouts (transposed, strided, 0-d, rows of one shared storage) landed
+    in one block are rebuilt by the direct path (a typed view per dtype, one as_strided per leaf), bit-exact."""
+    value = {k: v for k, v in many_tensors(120).items() if type(v) is torch.Tensor and v.numel()}
+    flat = flatten(value)
+    assert len(set(flat.specs.names)) >= 5 and len(flat.table) < len(flat.specs)  # several dtypes, shared storages
+    offsets, total = padded_offsets(flat.table.sizes)
+    block = BlockViews(torch.empty(total, dtype=torch.uint8), offsets, flat.table.sizes)
+    for i, src in enumerate(flat.buffers):
+        block[i].copy_(src)
+    dtypes = [getattr(torch, n) for n in flat.specs.names]
+    direct = flat.specs._rebuild_block(block, dtypes, [torch.empty(0, dtype=d).element_size() for d in dtypes])
+    assert direct is not None
+    leaves = flat.specs.rebuild(block)
+    assert leaf_digests(unflatten(flat.skeleton, leaves)) == leaf_digests(value)
+    assert all(a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() for a, b in zip(leaves, direct))
+    assert {t.untyped_storage().data_ptr() for t in leaves} == {block.block.untyped_storage().data_ptr()}
+
+
 def test_packed_messages_cover_every_buffer_once_in_order():
     from rdt.transports.group import PACK_BELOW, PACK_MAX, messages
 
