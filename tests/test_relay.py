@@ -31,6 +31,28 @@ def _shapes(value):
     return {k: (str(v.dtype), tuple(v.shape), "") for k, v in value.items()}
 
 
+def _relay_group(n: int, seed: int, **config):
+    """n actors in one gloo group (actor 1 will be the relay that fails), each fetch timing out after 30 s; the
+    expected digests and size of the producer's state dict for ``seed``; actor 1's pid."""
+    actors = [RelayNode.remote() for _ in range(n)]
+    group = rdt.create_collective_group(actors, backend="gloo")
+    value = relay_state(BIG * 2, seed)
+    want, total = digests(value), nbytes(value)
+    del value
+    ray.get([a.configure.remote(transfer_timeout=30.0, **config) for a in actors])
+    return actors, group, want, total, ray.get(actors[1].pid.remote())
+
+
+def _stop_while_receiving(p, victim, pid: int, ref) -> None:
+    """The victim starts fetching ``ref`` and is stopped (SIGSTOP) while it is still receiving (skip if it finished
+    first: nothing could be tested)."""
+    victim.fetch_at.remote([ref], time.time(), "get")
+    assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
+    os.kill(pid, signal.SIGSTOP)
+    if _relay(p).get("open_tails", 0) == 0:
+        pytest.skip("c1 finished before it could be stopped")
+
+
 def _tear_down(pid: int, group, actors) -> None:
     """Kill the stopped or killed relay if it still lives, then the group and every actor."""
     if pid_alive(pid):
@@ -83,13 +105,8 @@ def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
     """c1 asks first and is stopped while it receives; c2 and c3 join behind it; c1 is killed. The consumer behind
     c1 (and through it the last one) falls back to the producer for what they miss: the data arrives bit-exact, or a typed error names the
     dead relay, within the timeout; nobody hangs and the producer's serve state drains."""
-    p, victim, c2, c3 = actors = [RelayNode.remote() for _ in range(4)]
-    group = rdt.create_collective_group(actors, backend="gloo")
-    value = relay_state(BIG * 2, 5)
-    want, total = digests(value), nbytes(value)
-    del value
-    ray.get([a.configure.remote(transfer_timeout=30.0) for a in actors])
-    pid = ray.get(victim.pid.remote())
+    actors, group, want, total, pid = _relay_group(4, 5)
+    p, victim, c2, c3 = actors
     try:
         ref = p.state.remote(BIG * 2, 5)
         ray.wait([ref], timeout=60)
@@ -137,22 +154,13 @@ def test_a_relay_already_dead_when_its_follower_posts_is_skipped(ray_cluster, tm
     is closed, so posting fails at once): c2 gets everything from the producer, bit-exact, well within its
     timeout. (Once in CI the follower also sent the producer a "receives posted" message only a chain's head
     sends; nobody received it and the fetch timed out after its full 60 s.)"""
-    p, victim, c2 = actors = [RelayNode.remote() for _ in range(3)]
-    group = rdt.create_collective_group(actors, backend="gloo")
-    value = relay_state(BIG * 2, 7)
-    want = digests(value)
-    del value
-    ray.get([a.configure.remote(transfer_timeout=30.0) for a in actors])
-    pid = ray.get(victim.pid.remote())
+    actors, group, want, _, pid = _relay_group(3, 7)
+    p, victim, c2 = actors
     marker = str(tmp_path / "relay-dead")
     try:
         ref = p.state.remote(BIG * 2, 7)
         ray.wait([ref], timeout=60)
-        victim.fetch_at.remote([ref], time.time(), "get")
-        assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
-        os.kill(pid, signal.SIGSTOP)
-        if _relay(p).get("open_tails", 0) == 0:
-            pytest.skip("c1 finished before it could be stopped")
+        _stop_while_receiving(p, victim, pid, ref)
         ray.get(c2.call.remote(hold_first_relay_post, marker), timeout=30)
         joined = _relay(p).get("joined", 0)
         call = c2.fetch_at.remote([ref], time.time(), "get", 30.0)
@@ -176,21 +184,12 @@ def test_a_stalled_relay_costs_its_followers_at_most_the_stall_timeout(ray_clust
     after the stall timeout: Gloo cannot cancel a receive without closing its connections, so it either gets the
     rest from the producer or raises a typed error naming the stalled relay; the one behind it falls back to the
     producer. Nobody waits for the transfer timeout, and the producer's chain drains once c1 is gone."""
-    p, victim, c2, c3 = actors = [RelayNode.remote() for _ in range(4)]
-    group = rdt.create_collective_group(actors, backend="gloo")
-    value = relay_state(BIG * 2, 6)
-    want = digests(value)
-    del value
-    ray.get([a.configure.remote(transfer_timeout=30.0, relay_stall_timeout=2.0) for a in actors])
-    pid = ray.get(victim.pid.remote())
+    actors, group, want, _, pid = _relay_group(4, 6, relay_stall_timeout=2.0)
+    p, victim, c2, c3 = actors
     try:
         ref = p.state.remote(BIG * 2, 6)
         ray.wait([ref], timeout=60)
-        victim.fetch_at.remote([ref], time.time(), "get")
-        assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
-        os.kill(pid, signal.SIGSTOP)
-        if _relay(p).get("open_tails", 0) == 0:
-            pytest.skip("c1 finished before it could be stopped")
+        _stop_while_receiving(p, victim, pid, ref)
         t0 = time.monotonic()
         results = ray.get([c.fetch_at.remote([ref], time.time(), "get", 30.0) for c in (c2, c3)], timeout=60)
         assert time.monotonic() - t0 < 15  # the stall timeout (2 s per place in the chain), not the 30 s one
