@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import urllib.request
+from typing import List
 
 import pytest
 import ray
@@ -67,16 +68,27 @@ def test_transfer_and_collective_metrics_reach_prometheus(actors):
     assert ray.get([c.total.remote(r) for r in refs]) == [float(1 << 16)] * 4
     assert ray.get([a.allreduce.remote("obs-g") for a in m]) == [2.0, 2.0]
 
+    last = {"text": ""}
+
+    def missing(text: str) -> List[str]:
+        """The series this test waits for that the scrape does not show yet."""
+        wanted = {
+            "gloo transfers in >= 3": _value(text, "ray_rdt_transfers_total", transport="gloo", direction="in") >= 3,
+            "gloo transfers out >= 3": _value(text, "ray_rdt_transfers_total", transport="gloo", direction="out") >= 3,
+            "gloo allreduce ok >= 2": _value(text, "ray_rdt_collective_ops_total", backend="gloo", op="allreduce",
+                                             status="ok") >= 2,
+            "objects_held gauge": re.search(r"^ray_rdt_objects_held\{", text, re.M) is not None,  # exported apart
+        }
+        return [k for k, ok in wanted.items() if not ok]
+
     def ready() -> str:
-        text = _scrape()
-        ok = (_value(text, "ray_rdt_transfers_total", transport="gloo", direction="in") >= 3
-              and _value(text, "ray_rdt_transfers_total", transport="gloo", direction="out") >= 3
-              and _value(text, "ray_rdt_collective_ops_total", backend="gloo", op="allreduce", status="ok") >= 2
-              and re.search(r"^ray_rdt_objects_held\{", text, re.M) is not None)  # gauges are exported separately
-        return text if ok else ""
+        text = last["text"] = _scrape()
+        return "" if missing(text) else text
 
     text = wait_for(ready, timeout=60, interval=1.0)
-    assert text, "metrics did not reach the Prometheus endpoint"
+    rdt_lines = [ln for ln in last["text"].splitlines() if ln.startswith("ray_rdt_")]
+    assert text, (f"metrics did not reach the Prometheus endpoint within 60 s: missing {missing(last['text'])}; "
+                  f"{len(last['text'])} bytes scraped, its ray_rdt_ lines: {rdt_lines[:40]}")
     assert _value(text, "ray_rdt_transfer_bytes_total", transport="gloo", direction="in") >= 3 * 4 * (1 << 16)
     assert _value(text, "ray_rdt_transfers_total", transport="shm", direction="in") >= 1
     assert "ray_rdt_transfer_latency_seconds_bucket" in text
