@@ -2,14 +2,16 @@
 
 One :class:`Metrics` per process (held by the process context). Metric objects are made on first use; outside a
 Ray worker every call is a no-op. Collective and p2p calls are queued and handed to Ray by a background thread every
-``OP_FLUSH_S`` (0.5 s), off the calls' critical path. Names (Prometheus adds Ray's ``ray_`` prefix):
+``OP_FLUSH_S`` (0.5 s), off the calls' critical path. The same thread re-reports the held gauges on every pass: Ray's
+metrics agent drops a gauge series two export intervals after its last report, so a gauge set only on change would
+vanish from Prometheus while the objects are still held. Names (Prometheus adds Ray's ``ray_`` prefix):
 
 ==================================  =========  ======================================================
 rdt_transfers_total                 counter    object transfers, by transport and direction (in/out)
 rdt_transfer_bytes_total            counter    bytes of object transfers, by transport and direction
 rdt_transfer_latency_seconds        histogram  consumer-side fetch time, by transport
 rdt_transfer_errors_total           counter    failed fetches, by transport and error type
-rdt_objects_held / rdt_bytes_held   gauge      objects and bytes in this process's object table
+rdt_objects_held / rdt_bytes_held   gauge      objects and bytes in this process's object table (re-reported)
 rdt_collective_ops_total            counter    collective / p2p calls, by backend, op and status
 rdt_collective_bytes_total          counter    bytes per call, by backend and op
 rdt_collective_latency_seconds      histogram  call duration, by backend and op
@@ -45,6 +47,7 @@ class Metrics:
         self._ops: Deque[_Op] = collections.deque(maxlen=OP_BACKLOG)
         self._flusher: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._held: Optional[Tuple[int, int]] = None  # (objects, bytes) last reported by the table
 
     def _get(self) -> Optional[Dict[str, Any]]:
         if self._m is not None or self._disabled:
@@ -102,11 +105,20 @@ class Metrics:
                 logger.debug("rdt metrics: error not recorded", exc_info=True)
 
     def held(self, objects: int, nbytes: int) -> None:
+        """Note the object table's size; the flusher thread reports it to Ray within OP_FLUSH_S and again on every pass."""
+        self._held = (objects, nbytes)
+        if self._flusher is None and self._get() is not None:
+            self._start_flusher()
+
+    def _report_held(self) -> None:
+        held = self._held
+        if held is None:
+            return
         m = self._get()
         if m is not None:
             try:
-                m["objects"].set(objects)
-                m["bytes"].set(nbytes)
+                m["objects"].set(held[0])
+                m["bytes"].set(held[1])
             except Exception:
                 logger.debug("rdt metrics: gauge not set", exc_info=True)
 
@@ -126,6 +138,7 @@ class Metrics:
     def _flush_loop(self) -> None:
         while not self._stop.wait(OP_FLUSH_S):
             self.flush_ops()
+            self._report_held()
 
     def flush_ops(self) -> None:
         """Hand the queued calls to Ray now: counters summed per label set, one histogram point per call."""

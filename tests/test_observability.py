@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import time
 import urllib.request
 from typing import List
 
@@ -87,13 +88,40 @@ def test_transfer_and_collective_metrics_reach_prometheus(actors):
 
     text = wait_for(ready, timeout=60, interval=1.0)
     rdt_lines = [ln for ln in last["text"].splitlines() if ln.startswith("ray_rdt_")]
-    assert text, (f"metrics did not reach the Prometheus endpoint within 60 s: missing {missing(last['text'])}; "
-                  f"{len(last['text'])} bytes scraped, its ray_rdt_ lines: {rdt_lines[:40]}")
+    if not text:  # pytrace=False: the message comes first in a CI log that keeps only the top of a failure
+        pytest.fail(f"metrics did not reach the Prometheus endpoint within 60 s: missing {missing(last['text'])}; "
+                    f"{len(last['text'])} bytes scraped, its ray_rdt_ lines: {rdt_lines[:40]}", pytrace=False)
     assert _value(text, "ray_rdt_transfer_bytes_total", transport="gloo", direction="in") >= 3 * 4 * (1 << 16)
     assert _value(text, "ray_rdt_transfers_total", transport="shm", direction="in") >= 1
     assert "ray_rdt_transfer_latency_seconds_bucket" in text
     assert "ray_rdt_collective_latency_seconds_bucket" in text
     assert re.search(r"^ray_rdt_objects_held\{", text, re.M) and re.search(r"^ray_rdt_bytes_held\{", text, re.M)
+    del refs
+
+
+def test_held_gauges_stay_on_prometheus_while_the_table_is_idle(actors):
+    """Ray's metrics agent drops a gauge series two export intervals after its last report (Ray 2.60), so a gauge set
+    only when the table changes vanished from Prometheus ~2 s after the last change while the objects were still held;
+    rdt re-reports it. Here the producer holds 5 objects untouched for 3 agent TTLs, and every scrape must show them."""
+    p, c, _ = actors
+    refs = [p.make_gloo.remote(1 << 16, 1.0) for _ in range(5)]
+    ray.get(refs)
+    last = {"text": ""}
+
+    def held(text: str) -> float:
+        last["text"] = text
+        return _value(text, "ray_rdt_objects_held")
+
+    assert wait_for(lambda: held(_scrape()) >= 5, timeout=60, interval=0.5), (
+        "the held-objects gauge never showed 5: "
+        f"{[ln for ln in last['text'].splitlines() if ln.startswith('ray_rdt_objects_held')]}")
+    time.sleep(6.0)  # the agent's TTL is 2 s (2 x the 1 s export interval): an unrefreshed gauge is gone by now
+    seen = []
+    for _ in range(4):
+        seen.append(held(_scrape()))
+        time.sleep(0.7)
+    assert all(v >= 5 for v in seen), f"objects_held on four scrapes 0.7 s apart, with 5 objects held: {seen}"
+    assert all(v > 0 for v in (_value(_scrape(), "ray_rdt_bytes_held"),)), "the held-bytes gauge vanished"
     del refs
 
 
