@@ -13,6 +13,16 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 
+def ray_node_id() -> str:
+    """This process's Ray node id, '' outside Ray or when it is unknown (callers then assume other nodes)."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - no Ray context
+        return ""
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs; a killed process its parent has not reaped yet (zombie) counts as dead."""
     try:

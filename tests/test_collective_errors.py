@@ -415,11 +415,11 @@ def test_recv_timeout_errors_only_that_group(ew, pair_groups, backend: str) -> N
 
 # ---------------------------------------------------------------------------------------------- killed peer
 # What the survivor observes when its peer is killed while it is blocked (asserted exactly per backend):
-# Gloo, UCX and tcp notice the closed connection at once; NIXL has no connection to watch, so the call runs into
-# its timeout.
+# Gloo, UCX and tcp notice the closed connection at once; a same-node NIXL group runs without UCX error handling
+# and watches the peer's pid instead, so it notices too (long before the call's timeout).
 KILL_ERRORS: Dict[str, type] = {
     "gloo": PeerUnavailableError,
-    "nixl": CollectiveTimeoutError,
+    "nixl": PeerUnavailableError,
     "ucx": PeerUnavailableError,
     "tcp": PeerUnavailableError,
 }

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from .._proc import pid_alive
+from .._proc import pid_alive, ray_node_id
 from .._rendezvous import RayKVStore
 from ..errors import (
     CollectiveTimeoutError,
@@ -244,7 +244,7 @@ class GlooBackend(Backend):
         """A shared-memory allreduce when every rank runs on this Ray node (disable with RDT_GLOO_SHM=0)."""
         if os.environ.get("RDT_GLOO_SHM", "1") == "0" or config.world_size < 2:
             return None
-        node = _node_id()
+        node = ray_node_id()
         barrier: Optional[ShmBarrier] = None
         if node:
             try:  # my semaphores exist before my pid is published, so peers can open them after the rendezvous
@@ -357,12 +357,3 @@ class GlooBackend(Backend):
             self.pg.shutdown()
         except Exception:
             pass
-
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() or ""
-    except Exception:
-        return ""

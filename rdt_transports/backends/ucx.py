@@ -85,6 +85,7 @@ from ..errors import (
     TensorMismatchError,
 )
 from .. import _lifecycle
+from .._proc import ray_node_id
 from ..types import Capabilities
 from ._ucx_ops import CTL as _CTL, P2POp, RecvOp, SendOp
 from ._ucx_progress import AwaitOp, Op, ProgressEngine
@@ -179,12 +180,7 @@ def _node_id() -> str:
     """This process's Ray node id, '' when unknown or same-node endpoints are disabled (RDT_UCX_SAME_NODE=0)."""
     if os.environ.get("RDT_UCX_SAME_NODE", "1") == "0":
         return ""
-    try:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
-    except Exception:  # noqa: BLE001 - no Ray context: listener endpoints only
-        return ""
+    return ray_node_id()
 
 
 def _ep_transports(ep: Any) -> str:

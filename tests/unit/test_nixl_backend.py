@@ -25,7 +25,8 @@ ray = pytest.importorskip("ray")
 from rdt_transports._rendezvous import Rendezvous  # noqa: E402
 from rdt_transports.backends.base import BackendConfig  # noqa: E402
 from rdt_transports.backends.nixl import _HEADER, _KIND_DONE, _MAGIC, _VERSION, NixlBackend  # noqa: E402
-from rdt_transports.errors import CollectiveTimeoutError, GroupDestroyedError, TensorMismatchError  # noqa: E402
+from rdt_transports.errors import (  # noqa: E402
+    CollectiveTimeoutError, GroupDestroyedError, InvalidArgumentError, PeerUnavailableError, TensorMismatchError)
 
 TIMEOUT = 20.0
 
@@ -242,3 +243,48 @@ def test_shutdown_idempotent() -> None:
     assert len(b1.registration_cache) == 0 and len(b0.registration_cache) == 0
     with pytest.raises(GroupDestroyedError):
         w.wait(1.0)
+
+
+def test_same_node_group_runs_without_ucx_error_handling(pair) -> None:
+    """Both ranks here (one Ray node, pids visible): the agent is made with ``ucx_error_handling_mode=none`` so that
+    UCX may put shared memory on the endpoints, and eager and WRITE sizes still arrive intact."""
+    b0, b1 = pair
+    assert b0.ucx_error_mode == b1.ucx_error_mode == "none"
+    assert b0.describe()["same_node"] and b0.transports() == "shm/cma"
+    for n in (16, 1 << 16, 1 << 20):
+        src, dst = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+        run_both(lambda: b0.isend(src, 1, n).wait(TIMEOUT), lambda: b1.irecv(dst, 0, n).wait(TIMEOUT))
+        assert torch.equal(src, dst)
+
+
+def test_error_mode_override(monkeypatch) -> None:
+    """RDT_NIXL_UCX_ERROR_MODE=peer keeps UCX peer error handling (transfers still work); a bad value is refused."""
+    monkeypatch.setenv("RDT_NIXL_UCX_ERROR_MODE", "peer")
+    b0, b1 = make_pair()
+    try:
+        assert b0.ucx_error_mode == "peer" and b0.transports() == ""
+        src, dst = torch.arange(1 << 18, dtype=torch.float32), torch.zeros(1 << 18)
+        run_both(lambda: b0.isend(src, 1, 1).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 1).wait(TIMEOUT))
+        assert torch.equal(src, dst)
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+    monkeypatch.setenv("RDT_NIXL_UCX_ERROR_MODE", "maybe")
+    with pytest.raises(InvalidArgumentError, match="RDT_NIXL_UCX_ERROR_MODE"):
+        make_pair()
+
+
+def test_wait_on_a_dead_same_node_peer_fails_fast(pair) -> None:
+    """Without UCX error handling nothing reports a dead peer, so a wait watches its pid: a recv from a rank whose
+    process is gone fails with PeerUnavailableError naming it, long before the op's timeout."""
+    import subprocess
+
+    b0, _b1 = pair
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now
+    b0._peer_pids[1] = child.pid
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailableError, match=rf"rank 1 \(pid {child.pid}, this node\) died") as ei:
+        b0.irecv(torch.zeros(4), 1, 9).wait(TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 4
+    assert ei.value.peer == 1 and ei.value.op == "recv"
