@@ -132,7 +132,11 @@ _CODE_TO_DTYPE: Dict[int, torch.dtype] = {c: d for d, c in _DTYPE_TO_CODE.items(
 #   busy (load 5.7-12): polling 20 us 349 / 471 / 572 us, 200 us 692 / 814 / 864 us, 1 ms and 3 ms worse still
 #     (both ends poll, and each steals the CPU the other needs).
 # So a wait polls long while the run queue is short, briefly when it is longer than twice the cores.
-_WAIT_POLL_IDLE_S = 200e-6
+# "Long" is 1 ms since same-node groups moved to shared memory (2026-11-26): with 200 us a 1 MiB transfer (~250 us)
+# outlived the window in about 4 of 10 samples and then came back ~500 us late, as a waking sleeper queues behind
+# the busy peer on 2 cores (rdt-bench, nixl alone, 1 MiB back to back: 208-275 or 474-849 us with 200 us;
+# 219-268 us with 1 ms; 64 KiB 186-487 with 50 us, 113-146 with 1 ms).
+_WAIT_POLL_IDLE_S = 1e-3
 _WAIT_POLL_BUSY_S = 20e-6
 _WAIT_BUSY_LOAD_PER_CORE = 2.0  # 1-minute load average per core above which the machine counts as busy
 _WAIT_LOAD_RECHECK_S = 1.0
@@ -834,7 +838,7 @@ class NixlBackend(Backend):
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, work: _NixlWork, timeout: float) -> None:
-        """Drive progress until ``work`` completes: poll (200 us, or 20 us on a busy machine), then sleeps backing
+        """Drive progress until ``work`` completes: poll (1 ms, or 20 us on a busy machine), then sleeps backing
         off from 20 us to 1 ms but never past a 16th of the wait so far (a long wait costs little CPU; none
         overshoots by much)."""
         start = time.monotonic()
