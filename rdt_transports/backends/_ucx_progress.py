@@ -29,14 +29,20 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
+from .. import _spin
+
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 0.02  # longest sleep of a waiting caller between looks at abort / peer state / deadline
 _PUMP_SLICE_S = 0.1  # longest sleep of the pump thread
 _PUMP_IDLE_S = 0.02  # the pump takes over only after callers have stopped driving for this long
-_SPIN_S = float(os.environ.get("RDT_UCX_SPIN_US", "30")) * 1e-6  # progress without sleeping first, per wait: a
-# reply often comes within tens of us, and each sleep costs a wake-up (rdt-bench 4 KiB at load 5-8 on 2 cores:
-# 30 us -> barrier 143-145 us, back-to-back 223-237 us; 0 -> 165-386 / 256-351 us; 300 us in ping-pong: 2x worse)
+# Progress without sleeping first, per wait: a reply often comes within tens of us, and each sleep costs a wake-up
+# that queues behind the busy peer. How long depends on the machine (rdt_transports/_spin.py): 1 ms when quiet
+# (rdt-bench 4 KiB back to back / after a barrier, load ~1 on 2 cores: 30 us 201-324 / 175-180 us, 1 ms 133-141 /
+# 142-149 us; 1 MiB 424-527 / 528-757 -> 328-334 / 349-359 us), 30 us when busy (load 5-8: 30 us -> barrier 143-145
+# us, back-to-back 223-237 us; 0 -> 165-386 / 256-351 us; 300 us in ping-pong: 2x worse). RDT_UCX_SPIN_US fixes it.
+_SPIN_BUSY_S = 30e-6
+_SPIN_FIXED_S = float(os.environ["RDT_UCX_SPIN_US"]) * 1e-6 if os.environ.get("RDT_UCX_SPIN_US") else None
 _MAX_ZOMBIES = 4096  # failed operations whose UCX requests are still posted (their buffers must stay alive)
 
 
@@ -173,7 +179,8 @@ class ProgressEngine:
         with self._cond:
             self._driving += 1
         try:
-            spin_until = time.monotonic() + _SPIN_S  # a reply often comes within microseconds: skip the sleep
+            now = time.monotonic()
+            spin_until = now + (_SPIN_FIXED_S if _SPIN_FIXED_S is not None else _spin.window(_SPIN_BUSY_S, now=now))
             while True:
                 now = time.monotonic()
                 spinning = now < spin_until

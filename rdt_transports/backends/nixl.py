@@ -83,6 +83,7 @@ from ..errors import (
     PeerUnavailableError,
     TensorMismatchError,
 )
+from .. import _spin
 from .._proc import pid_alive, ray_node_id
 from ..types import Capabilities
 from .base import Backend, BackendConfig, Work
@@ -126,22 +127,10 @@ _CODE_TO_DTYPE: Dict[int, torch.dtype] = {c: d for d, c in _DTYPE_TO_CODE.items(
 # Waiting (no progress thread): poll, then sleep. A sleep lasts 60 us or more here whatever it asks for, and one
 # that doubled to 1 ms made a 1 MiB transfer wait up to 1 ms past its completion; a sleep is now also at most a
 # 16th of the wait so far, so it overshoots a long transfer by ~6 % at most. How long to poll depends on the
-# machine, measured interleaved in the same actors (back to back, 4 KiB / 64 KiB / 1 MiB):
-#   quiet (load 0.9 on 2 cores): polling 200 us 91 / 96 / 213 us, 20 us 213 / 314 / 343 us (the peer answers
-#     within the window, a sleep only adds its own 60+ us);
-#   busy (load 5.7-12): polling 20 us 349 / 471 / 572 us, 200 us 692 / 814 / 864 us, 1 ms and 3 ms worse still
-#     (both ends poll, and each steals the CPU the other needs).
-# So a wait polls long while the run queue is short, briefly when it is longer than twice the cores.
-# "Long" is 1 ms since same-node groups moved to shared memory (2026-11-26): with 200 us a 1 MiB transfer (~250 us)
-# outlived the window in about 4 of 10 samples and then came back ~500 us late, as a waking sleeper queues behind
-# the busy peer on 2 cores (rdt-bench, nixl alone, 1 MiB back to back: 208-275 or 474-849 us with 200 us;
-# 219-268 us with 1 ms; 64 KiB 186-487 with 50 us, 113-146 with 1 ms).
-_WAIT_POLL_IDLE_S = 1e-3
+# machine (see rdt_transports/_spin.py): 1 ms while the run queue is short, 20 us when it is longer than twice the
+# cores (both ends poll then, and each steals the CPU the other needs).
 _WAIT_POLL_BUSY_S = 20e-6
-_WAIT_BUSY_LOAD_PER_CORE = 2.0  # 1-minute load average per core above which the machine counts as busy
-_WAIT_LOAD_RECHECK_S = 1.0
 _WAIT_MAX_SLEEP_S = 1e-3  # sleeps double from 20 us to this (and to at most a 16th of the wait so far)
-_wait_poll = [_WAIT_POLL_IDLE_S, float("-inf")]  # current window, when it was chosen (monotonic)
 
 
 def _same_node_pids(config: BackendConfig) -> Optional[Dict[int, int]]:
@@ -161,17 +150,8 @@ def _same_node_pids(config: BackendConfig) -> Optional[Dict[int, int]]:
 
 
 def _poll_window(now: float) -> float:
-    """How long a wait polls before it sleeps (re-read from the load average at most once a second)."""
-    window, checked = _wait_poll
-    if now - checked < _WAIT_LOAD_RECHECK_S:
-        return window
-    try:
-        busy = os.getloadavg()[0] > _WAIT_BUSY_LOAD_PER_CORE * (os.cpu_count() or 1)
-    except OSError:  # no load average here: assume cores are free
-        busy = False
-    window = _WAIT_POLL_BUSY_S if busy else _WAIT_POLL_IDLE_S
-    _wait_poll[:] = [window, now]
-    return window
+    """How long a wait polls before it sleeps."""
+    return _spin.window(_WAIT_POLL_BUSY_S, now=now)
 
 
 _PEER_WATCH_S = 0.05  # a wait on a same-node peer (no UCX error handling) checks its pid this often
