@@ -199,7 +199,6 @@ class SpecTable(Sequence[TensorSpec]):
                 out.append(cupy.asarray(t))
         return out
 
-
     def _rebuild_block(self, buffers: Sequence[torch.Tensor], dtypes: List[torch.dtype],
                        sizes: List[int]) -> Optional[List[Any]]:
         """The common case of a many-tensor object, plain torch leaves landed in one block (BlockViews): one typed
