@@ -288,3 +288,34 @@ def test_wait_on_a_dead_same_node_peer_fails_fast(pair) -> None:
         b0.irecv(torch.zeros(4), 1, 9).wait(TIMEOUT)
     assert time.monotonic() - start < TIMEOUT / 4
     assert ei.value.peer == 1 and ei.value.op == "recv"
+
+
+def test_write_handles_are_reused_and_released(pair) -> None:
+    """The same tensors sent again reuse one prepared WRITE handle (the data still lands each time); a handle
+    goes when its local registration is dropped, and the cache never holds more than its cap."""
+    from rdt_transports.backends import nixl as nixl_mod
+
+    b0, b1 = pair
+    n = 1 << 18  # above the EAGER limit: a WRITE
+    src, dst = torch.zeros(n), torch.zeros(n)
+    for step in range(5):
+        src.fill_(float(step))
+        run_both(lambda: b0.isend(src, 1, 100 + step).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 100 + step).wait(TIMEOUT))
+        assert float(dst[0]) == float(dst[-1]) == float(step)
+    assert b0.stats["write_handles_made"] == 1 and b0.stats["write_handles_reused"] == 4
+    assert len(b0._xfers) == 1 and not any(busy for _, busy in b0._xfers.values())
+
+    other = torch.ones(n)  # another source buffer: a second handle
+    run_both(lambda: b0.isend(other, 1, 200).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 200).wait(TIMEOUT))
+    assert torch.equal(dst, other) and len(b0._xfers) == 2
+    entry = next(e for e in b0._cache._entries.values() if e.base == other.untyped_storage().data_ptr())
+    b0._cache._drop(entry)  # as an eviction would: its handle is released first
+    assert len(b0._xfers) == 1
+
+    cap = nixl_mod._XFER_CACHE_ENTRIES
+    m = n // 8  # 128 KiB: still a WRITE
+    bufs = [torch.full((m,), float(i)) for i in range(cap + 3)]  # each its own storage, so its own handle
+    for i, t in enumerate(bufs):
+        run_both(lambda: b0.isend(t, 1, 300 + i).wait(TIMEOUT), lambda: b1.irecv(dst[:m], 0, 300 + i).wait(TIMEOUT))
+        assert float(dst[0]) == float(dst[m - 1]) == float(i)
+    assert len(b0._xfers) == cap and b0.stats["write_handles_made"] == 2 + cap + 3
