@@ -321,7 +321,29 @@ def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int
             impl.teardown(ctx)
         except Exception as e:  # noqa: BLE001
             log(f"{label} teardown failed: {_first_line(e)}")
+        _trim_workers(ctx, label)
     return rows
+
+
+WORKER_RSS_RESTART_BYTES = 2 << 30  # a worker holding more after a case (and a heap trim) is replaced
+
+
+def _trim_workers(ctx: BenchContext, label: str) -> None:
+    """Between cases: give the workers' freed heap back to the OS (BenchWorker.trim), and replace the workers when
+    one still holds more than WORKER_RSS_RESTART_BYTES. A UCX group's create/destroy left 0.6-3.6 GiB per worker
+    behind (2026-11-26, n=4 128 MiB), which took the README's default run out of memory."""
+    import ray
+
+    if not ctx.pool.actors:
+        return
+    try:
+        rss = ray.get([a.trim.remote() for a in ctx.pool.actors], timeout=60)
+    except Exception as e:  # noqa: BLE001 - a dead worker is replaced by the next pool.get
+        log(f"{label} trimming the workers' heap failed: {_first_line(e)}")
+        return
+    if max(rss) > WORKER_RSS_RESTART_BYTES:
+        log(f"{label} workers hold {[round(r / 2**30, 2) for r in rss]} GiB after the case: replaced")
+        ctx.pool.reset()
 
 
 def _ask_mechanism(ctx: BenchContext, impl: Impl, op: str, nbytes: int) -> str:

@@ -187,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
         meta["actor_env"] = pool.info[0]["env"] if pool.info else {}
         if bad:
             log("warning: workers do not see the benchmark environment: " + "; ".join(bad))
-        for name in suites:
+        for i, name in enumerate(suites):
+            if i:  # every suite starts from fresh actors: what one suite's workers still hold (pools, registrations,
+                pool.reset()  # heap glibc kept) must not push the next one (the 988 MB weight sync) out of memory
             rows += SUITES[name](ctx)
             meta["elapsed_s"] = round(time.monotonic() - started, 1)
             write_json(json_path, meta, rows)  # partial results survive a later crash
