@@ -105,7 +105,7 @@ class Metrics:
                 logger.debug("rdt metrics: error not recorded", exc_info=True)
 
     def held(self, objects: int, nbytes: int) -> None:
-        """Note the object table's size; the flusher thread reports it to Ray within OP_FLUSH_S and again on every pass."""
+        """Note the object table's size; the flusher thread reports it to Ray within OP_FLUSH_S, then every pass."""
         self._held = (objects, nbytes)
         if self._flusher is None and self._get() is not None:
             self._start_flusher()

@@ -421,7 +421,7 @@ class NixlBackend(Backend):
             cache_bytes = int(os.environ.get("RDT_NIXL_REG_CACHE_BYTES", _DEFAULT_CACHE_BYTES))
         self._cache = _RegistrationCache(self._agent, cache_bytes, cache_entries)
         self._cache.on_drop = self._forget_xfers_of_reg
-        # (peer, local reg id, local addr, nbytes, remote reg id, remote addr) -> [handle, busy]
+        # (peer, local reg id, local addr, nbytes, remote reg id, remote addr, devid, memtype) -> [handle, busy]
         self._xfers: "collections.OrderedDict[Tuple, List[Any]]" = collections.OrderedDict()
         self._peer_md: Dict[int, bytes] = {}  # full metadata of loaded peers (from the GCS)
         self._remote_regs: Dict[int, Dict[int, Tuple[int, int]]] = {}  # peer -> reg_id -> (base, len) loaded
@@ -798,10 +798,11 @@ class NixlBackend(Backend):
 
     @staticmethod
     def _release_handle(handle: Any) -> None:
+        """Release a NIXL transfer handle (cancelling it if still running); never raises."""
         try:
             handle.release()
         except Exception as e:  # noqa: BLE001 - release is best effort
-            logger.debug("nixl: releasing a cached transfer handle failed: %s", e)
+            logger.debug("nixl: releasing a transfer handle failed: %s", e)
 
     def _finish_after_notif(self, work: _NixlWork, error: Optional[BaseException]) -> None:
         """Complete a send that ended with a standalone notification, after a short flush on first contact.
@@ -883,10 +884,7 @@ class NixlBackend(Backend):
                 work.xfer = None
                 return
             del self._xfers[key]
-        try:
-            work.xfer.release()
-        except Exception as e:
-            logger.debug("nixl: releasing transfer handle of tag %d failed: %s", work.tag, e)
+        self._release_handle(work.xfer)
         work.xfer = None
 
     # ------------------------------------------------------------------ waiting

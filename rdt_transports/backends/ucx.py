@@ -43,10 +43,11 @@ refusal of it is raised by the next send to that peer (a new size or dtype, a la
 Threading and progress (``_ucx_progress``): the worker runs in UCX blocking mode with no UCX progress thread and
 no ucxx Python futures. A thread waiting on a Work progresses the worker itself, advances every pending operation
 and sleeps on the worker's epoll fd between events (after up to 1 ms of busy progress, 30 us on a busy machine:
-``rdt_transports._spin``; ``RDT_UCX_SPIN_US`` fixes it); a pump thread does the same while nobody waits (handshakes, control messages, operations nobody waits on). The
-asyncio loop thread runs connection set-up, handshakes, the listener and the pidfd watch; its UCX requests are
-completed by the same engine. ``isend``/``irecv`` may be called
-from any thread; UCX submission and progress happen under one lock, sleeping outside it.
+``rdt_transports._spin``; ``RDT_UCX_SPIN_US`` fixes it); a pump thread does the same while nobody waits
+(handshakes, control messages, operations nobody waits on). The asyncio loop thread runs connection set-up,
+handshakes, the listener and the pidfd watch; its UCX requests are completed by the same engine.
+``isend``/``irecv`` may be called from any thread; UCX submission and progress happen under one lock, sleeping
+outside it.
 
 Environment: ucxx picks transports from ``UCX_*`` variables (the tests set only ``UCX_NET_DEVICES=lo``; nothing
 restricts ``UCX_TLS``). Measured on the 2-core CI machine (UCX 1.21, ucxx 0.52; rdt-bench p2p, two actors on one
