@@ -712,9 +712,16 @@ class UcxBackend(Backend):
         if pid is not None and pid != os.getpid():
             self._watch(peer, state, ep, pid)
 
+        # Weak: ucxx's endpoint finalizer holds the callback's owner strongly, so a callback holding the backend or
+        # the endpoint would keep both (and the UCX worker with its shared-memory segments) alive for ever.
+        this, ep_ref = weakref.ref(self), weakref.ref(ep)
+
         def on_close() -> None:  # called from the UCX progress thread when the endpoint errors or closes
+            backend, endpoint = this(), ep_ref()
+            if backend is None or endpoint is None:
+                return
             try:
-                loop.call_soon_threadsafe(self._on_ep_closed, peer, ep)
+                loop.call_soon_threadsafe(backend._on_ep_closed, peer, endpoint)
             except RuntimeError:  # loop already closed during shutdown
                 pass
 
