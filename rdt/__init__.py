@@ -10,9 +10,10 @@ Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` 
 
 from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed Ray lacks a private API rdt needs)
 from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
-from . import _batch
+from . import _async_args, _batch
 
 _batch.install()  # Ray's deserialization of several objects starts all their rdt fetches before waiting on any
+_async_args.install()  # an async actor method's ref arguments are fetched off its event loop
 from ._api import configure, create_collective_group, destroy_collective_group, stats
 from ._decorator import put, tensor_method
 from ._get import get, get_async, wait_tensor_freed

@@ -104,38 +104,60 @@ def _outcome(future: "Future[Any]") -> Any:
 def _wrap(original: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
     def deserialize_objects(self: Any, serialized_objects: Any, object_refs: Any, *args: Any,
                             **kwargs: Any) -> List[Any]:
+        from ._async_args import DeferredArg, Deferral, applies
         from ._context import get_context
         from ._runtime import in_actor, is_get_objects, task_id
 
+        try:
+            caller = sys._getframe(1).f_code
+        except ValueError:  # called straight from Ray's compiled code (a task's arguments): no Python caller
+            caller = None
+        if applies(caller):  # an async method's arguments, on its event loop: fetched off the loop (_async_args)
+            ctx = get_context()
+            if getattr(ctx.deferring, "on", False) or getattr(ctx.batching, "deferral", None) is not None:
+                return original(self, serialized_objects, object_refs, *args, **kwargs)
+            deferral = ctx.batching.deferral = Deferral(task_id())
+            try:
+                values = original(self, serialized_objects, object_refs, *args, **kwargs)
+            finally:
+                ctx.batching.deferral = None
+            return _redo_nested(deferral.made, values, lambda v: type(v) is DeferredArg, original, self,
+                                serialized_objects, object_refs, *args, **kwargs)
         if len(object_refs) < 2:
             return original(self, serialized_objects, object_refs, *args, **kwargs)
         ctx = get_context()
         if getattr(ctx.deferring, "on", False) or getattr(ctx.batching, "batch", None) is not None:
             return original(self, serialized_objects, object_refs, *args, **kwargs)
-        try:
-            caller = sys._getframe(1).f_code
-        except ValueError:  # called straight from Ray's compiled code (a task's arguments): no Python caller
-            caller = None
         batch = Batch(task_id(), in_actor() and not (caller is not None and is_get_objects(caller)))
         ctx.batching.batch = batch
         try:
             values = original(self, serialized_objects, object_refs, *args, **kwargs)
         finally:
             ctx.batching.batch = None
-        found = sum(isinstance(v, Pending) for v in values)
         out = batch.finish(values)
-        if found < batch.made:  # an rdt object nested inside another value: deserialize those again, unbatched
-            redo = [i for i, v in enumerate(values) if not isinstance(v, Pending)]
-            again = original(self, [serialized_objects[i] for i in redo], [object_refs[i] for i in redo],
-                             *args, **kwargs)
-            for i, v in zip(redo, again):
-                out[i] = v
-        return out
+        return _redo_nested(batch.made, values, lambda v: isinstance(v, Pending), original, self,
+                            serialized_objects, object_refs, *args, **kwargs, _out=out)
 
     deserialize_objects._rdt_batched = True  # type: ignore[attr-defined]
     deserialize_objects.__doc__ = original.__doc__
     deserialize_objects.__wrapped__ = original  # type: ignore[attr-defined]
     return deserialize_objects
+
+
+def _redo_nested(made: int, values: List[Any], is_placeholder: Callable[[Any], bool], original: Callable[..., Any],
+                 worker: Any, serialized_objects: Any, object_refs: Any, *args: Any, _out: Optional[List[Any]] = None,
+                 **kwargs: Any) -> List[Any]:
+    """``values`` (or ``_out``), with every value that is not a top-level placeholder deserialized again without
+    rdt's batching when fewer than ``made`` placeholders were found at top level: an rdt object nested inside
+    another value must never reach the caller as a placeholder."""
+    out = list(values if _out is None else _out)
+    if sum(1 for v in values if is_placeholder(v)) >= made:
+        return out
+    redo = [i for i, v in enumerate(values) if not is_placeholder(v)]
+    again = original(worker, [serialized_objects[i] for i in redo], [object_refs[i] for i in redo], *args, **kwargs)
+    for i, v in zip(redo, again):
+        out[i] = v
+    return out
 
 
 def install() -> None:

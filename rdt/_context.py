@@ -138,6 +138,8 @@ class RdtContext:
         self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
+        # fetches of async actor methods' ref arguments (_async_args); apart from the waiters they may use
+        self.arg_fetchers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-arg-fetch")
         # Waits on object sends, shared by every group of this process and bounded whatever the number of fetches:
         # a slow consumer holds one thread until its deadline; more slow consumers queue (a large object's sends,
         # posted only after the consumer's "receives posted" message, then start late).
@@ -357,6 +359,7 @@ class RdtContext:
             self._server.close()  # no new requests from here on
         self.waiters.shutdown(wait=False, cancel_futures=True)
         self.send_waiters.shutdown(wait=False, cancel_futures=True)
+        self.arg_fetchers.shutdown(wait=False, cancel_futures=True)
         relay = self.peek_transport_state("relay")
         if relay is not None:
             relay.close()  # answers held polls (ours as producer) and stops the next-hop pollers

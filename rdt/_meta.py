@@ -87,6 +87,9 @@ def _rebuild(state: dict) -> Any:
     ctx = context()
     if getattr(ctx.deferring, "on", False):  # rdt.get asked Ray for the metadata itself (it fetches afterwards)
         return meta
+    deferral = getattr(getattr(ctx, "batching", None), "deferral", None)
+    if deferral is not None:  # an async method's argument: fetched on a pool, awaited off the loop (_async_args)
+        return deferral.defer(ctx, meta)
     batch = getattr(getattr(ctx, "batching", None), "batch", None)
     if batch is not None:  # one of several objects Ray deserializes at once: start now, wait after (_batch)
         return batch.defer(ctx, meta)

@@ -30,6 +30,10 @@ HOOKS: Tuple[Tuple[str, str, str], ...] = (
     ("ray._private.worker", "Worker.deserialize_objects",
      "starting the fetches of every rdt object of one ray.get / task's arguments before waiting on any"),
     ("ray.actor", "_modify_class", "__ray_call__ on every actor (stats, group set-up, object-store fallback)"),
+    ("ray._private.function_manager", "FunctionActorManager._make_actor_method_executor",
+     "fetching an async actor method's ref arguments off its event loop"),
+    ("ray._raylet", "CoreWorker.get_current_task_function_name",
+     "telling which actor method's arguments are being deserialized"),
 )
 
 
@@ -88,6 +92,33 @@ def wrap_deserialize_objects(wrap: Callable[[Callable[..., Any]], Callable[..., 
     worker_cls = _lookup("ray._private.worker", "Worker")
     if not getattr(worker_cls.deserialize_objects, "_rdt_batched", False):
         worker_cls.deserialize_objects = wrap(worker_cls.deserialize_objects)
+
+
+def wrap_actor_method_executor(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``FunctionActorManager._make_actor_method_executor`` by ``wrap(original)``, once per process
+    (rdt/_async_args.py)."""
+    manager_cls = _lookup("ray._private.function_manager", "FunctionActorManager")
+    if not getattr(manager_cls._make_actor_method_executor, "_rdt_async_args", False):
+        manager_cls._make_actor_method_executor = wrap(manager_cls._make_actor_method_executor)
+
+
+def current_actor_method() -> Any:
+    """The class attribute of the actor method whose task this thread runs (None outside an actor task)."""
+    worker = ray._private.worker.global_worker
+    try:
+        actor = worker.actors.get(worker.core_worker.get_actor_id())
+        name = worker.core_worker.get_current_task_function_name()
+    except Exception:
+        return None
+    if actor is None or not name:
+        return None
+    return getattr(type(actor), name.rpartition(".")[2], None)
+
+
+def executors_of(method: Any) -> List[Any]:
+    """Every executor this process's Ray made for ``method`` (one per actor class loaded that has it)."""
+    infos = ray._private.worker.global_worker.function_actor_manager._function_execution_info
+    return [i.function for i in list(infos.values()) if getattr(i.function, "method", None) is method]
 
 
 def worker_mode() -> int:

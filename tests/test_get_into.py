@@ -251,6 +251,20 @@ class AsyncConsumer:
     async def take_args(self, a: Any, b: Any) -> List[float]:
         return [float(a["layer.0.weight"][0]), float(b["layer.0.weight"][0])]
 
+    async def same_twice(self, a: Any, *, b: Any) -> Dict[str, Any]:
+        return {"fill": float(b["layer.0.weight"][0]), "same": a["layer.0.weight"] is b["layer.0.weight"],
+                "step": b["step"], "started": GateTransport.started}
+
+    def take_sync(self, a: Any) -> float:
+        return float(a["layer.0.weight"][0])
+
+    async def stream(self, a: Any) -> Any:
+        for key in ("layer.0.weight", "layer.0.bias"):
+            yield float(a[key].flatten()[0])
+
+    async def arm_failure(self, fill: float) -> None:
+        _arm_gate(0, 10.0, fail_fill=fill)
+
     async def await_ref(self, refs: List[Any]) -> float:
         value = await refs[0]
         return float(value["layer.0.weight"][0])
@@ -276,6 +290,29 @@ class AsyncConsumer:
         done = True
         await task
         return ticks if float(big[0]) == 2.0 else -1
+
+
+class _Holder:
+    """An async actor made with an rdt ref as its constructor argument. Its body never names rdt, so Ray loads
+    the class in a fresh worker before rdt is imported there (rdt comes in with the first argument): rdt did not
+    wrap its executors, and its arguments must still arrive as values (fetched on the loop, as before)."""
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        self.fill = float(state["layer.0.weight"][0])
+
+    async def fill_of(self, extra: Any) -> List[float]:
+        return [self.fill, float(extra["layer.0.weight"][0])]
+
+
+class _HolderUsingRdt(_Holder):
+    """The same, with a method that names rdt: loading the class imports rdt first, so its executors are rdt's."""
+
+    async def stats(self) -> Any:
+        return rdt.stats()
+
+
+AsyncHolder = ray.remote(_Holder)
+AsyncHolderUsingRdt = ray.remote(_HolderUsingRdt)
 
 
 @ray.remote
@@ -417,8 +454,6 @@ def test_wait_tensor_freed(actors) -> None:
     assert ray.get(p.wait_freed.remote(30.0), timeout=60) == "freed"
 
 
-@pytest.mark.xfail(strict=True, reason="Ray deserializes an async actor method's arguments on the event loop's "
-                   "thread, so rdt's fetch of a ref argument blocks the loop (not fixed yet; see docs/api.md)")
 def test_async_ref_arguments_are_fetched_off_the_event_loop(actors) -> None:
     """The gate passes a fetch only once the actor's event loop has ticked 5 times during it: a fetch of an
     ``async def`` method's ref arguments that ran on the loop would time out."""
@@ -430,6 +465,55 @@ def test_async_ref_arguments_are_fetched_off_the_event_loop(actors) -> None:
         assert ray.get(a.take_args.remote(*refs), timeout=120) == [1.0, 2.0]
     finally:
         ray.kill(a)
+
+
+def test_async_ref_keyword_arguments_too_and_one_ref_twice_is_fetched_once(actors) -> None:
+    p, _c = actors
+    a = AsyncConsumer.remote()
+    try:
+        ray.get(a.start_ticker.remote(), timeout=60)  # the gate passes only while the loop keeps ticking
+        ref = p.gate.remote(4.0)
+        out = ray.get(a.same_twice.remote(ref, b=ref), timeout=120)
+        assert out == {"fill": 4.0, "same": True, "step": 7, "started": 1}, out
+    finally:
+        ray.kill(a)
+
+
+def test_async_ref_argument_whose_fetch_fails_raises_the_typed_error(actors) -> None:
+    """The failed fetch fails that call with rdt's typed error; the actor and its loop keep serving."""
+    p, _c = actors
+    a = AsyncConsumer.remote()
+    try:
+        ray.get(a.arm_failure.remote(9.0), timeout=60)
+        with pytest.raises(rdt.ObjectFetchError) as info:
+            ray.get(a.take_args.remote(p.gate.remote(9.0), p.gate.remote(1.0)), timeout=120)
+        assert "told to fail" in str(info.value)
+        assert ray.get(a.take_args.remote(p.gate.remote(2.0), p.gate.remote(3.0)), timeout=120) == [2.0, 3.0]
+        assert ray.get(a.ping.remote(), timeout=60) == 1
+    finally:
+        ray.kill(a)
+
+
+def test_sync_and_streaming_methods_of_an_async_actor_get_their_ref_arguments(actors) -> None:
+    p, _c = actors
+    a = AsyncConsumer.remote()
+    try:
+        assert ray.get(a.take_sync.remote(p.gate.remote(5.0)), timeout=120) == 5.0
+        gen = a.stream.options(num_returns="streaming").remote(p.gate.remote(5.0))
+        assert [ray.get(r, timeout=120) for r in gen] == [5.0, 6.0]
+    finally:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("holder", ["loaded before rdt", "loaded after rdt"])
+def test_async_actor_constructed_with_a_ref_argument(actors, holder: str) -> None:
+    p, _c = actors
+    cls = AsyncHolder if holder == "loaded before rdt" else AsyncHolderUsingRdt
+    h = cls.remote(p.gate.remote(6.0))
+    try:
+        assert ray.get(h.fill_of.remote(p.gate.remote(7.0)), timeout=120) == [6.0, 7.0]
+    finally:
+        ray.kill(h)
 
 
 def test_await_ref_in_an_async_actor_fetches_off_the_event_loop(actors) -> None:
