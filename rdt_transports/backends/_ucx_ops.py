@@ -30,6 +30,7 @@ INLINE_MAX = 64 << 10
 AGREED_MAX = 16  # (size, dtype) pairs per peer whose small sends skip waiting for their own verdict
 HDR_TAG = 1 << 36  # sub-tags of a user tag (user tags are < 2**31)
 REPLY_TAG = 2 << 36
+_NO_HEADER = bytes(CTL.size)
 
 
 class P2POp(Op):
@@ -191,8 +192,11 @@ class RecvOp(P2POp):
     kind = "recv"
 
     def begin(self) -> None:
-        self.head = bytearray(CTL.size + INLINE_MAX)
-        self.head_req = self.recv(self.head, HDR_TAG | self.tag)
+        self.spare = self.backend._take_head()
+        self.head = self.spare[0]
+        self.head[:CTL.size] = _NO_HEADER  # a reused buffer: a message too short for a header must not parse as one
+        self.head_req = self.backend._raw_recv(self.state, self.head, HDR_TAG | self.tag, self.spare[1])
+        self.buffers.append(self.spare)
         self.data_req: Optional[Any] = None
         self.reqs = [self.head_req]
 
@@ -211,9 +215,11 @@ class RecvOp(P2POp):
             if self.nbytes:
                 self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
             self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
+            self.backend._give_head(self.spare)  # its receive completed and its bytes are consumed
         else:
             self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
             self.reqs.append(self.reply(ACK))
+            self.backend._give_head(self.spare)
         self.reqs.append(self.data_req)
         if _all_done(self.reqs):
             self.finish()

@@ -439,3 +439,26 @@ def test_destroyed_groups_free_their_ucx_workers() -> None:
             baseline = _sysv_mappings()
     assert all(gone), f"{gone.count(False)} of {len(gone)} shut-down UCX backends are still alive"
     assert _sysv_mappings() <= baseline, (baseline, _sysv_mappings())
+
+
+def test_reused_header_buffers_never_leak_an_earlier_message(pair) -> None:
+    """Header receive buffers are reused: a small message after a large one gets only its own bytes, the
+    header of a message is never read from an earlier one, and the spare buffers stay bounded."""
+    b0, b1 = pair
+    for i in range(40):
+        big = torch.full((15000,), float(i))  # 60 KiB: inline, fills most of the header buffer
+        small = torch.full((3,), -float(i))
+        for src in (big, small):
+            dst = torch.zeros_like(src)
+            _exchange(b0, b1, src, dst, _tag(), recv_first=bool(i % 2))
+            assert torch.equal(src, dst), (i, src.numel())
+    dst = torch.zeros(4099, dtype=torch.int32)
+    tag = _tag()
+    r = b1.irecv(dst, 0, tag)
+    s = b0.isend(torch.ones(4099), 1, tag)  # a new size, other dtype: refused on both sides, dst untouched
+    with pytest.raises(TensorMismatchError):
+        r.wait(10)
+    with pytest.raises(TensorMismatchError):
+        s.wait(10)
+    assert torch.equal(dst, torch.zeros(4099, dtype=torch.int32))
+    assert len(b1._heads) <= ucx_mod._HEADS_KEPT and len(b0._heads) <= ucx_mod._HEADS_KEPT
