@@ -115,8 +115,11 @@ class SendOp(P2POp):
     kind = "send"
 
     def begin(self) -> None:
-        self.verdict = bytearray(CTL.size)
-        self.reply_req = self.recv(self.verdict, REPLY_TAG | self.tag)
+        self.spare = self.backend._take_buffer(CTL.size)
+        self.verdict = self.spare[0]
+        self.verdict[:] = _NO_HEADER  # a reused buffer: only the peer's verdict may read as one
+        self.reply_req = self.backend._raw_recv(self.state, self.verdict, REPLY_TAG | self.tag, self.spare[1])
+        self.buffers.append(self.spare)
         inline = self.nbytes <= INLINE_MAX and not self.tensor.is_cuda
         head = CTL.pack(HDR, self.dcode, INLINE if inline else 0, self.tag, self.nbytes, 0)
         if inline:
@@ -179,6 +182,8 @@ class SendOp(P2POp):
         self.prev = None
         prev.reply_req.check_error()
         kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(prev.verdict))
+        if prev.done:  # its own step read the verdict already (or never will): this was the last reader
+            self.backend._give_buffer(prev.spare)
         if kind != ACK and prev.fast:
             self.state.agreed.clear()
             raise self.backend._late_mismatch(self.peer, self.tag, prev.tag, prev.nbytes, prev.dcode, their_nbytes,
@@ -192,7 +197,7 @@ class RecvOp(P2POp):
     kind = "recv"
 
     def begin(self) -> None:
-        self.spare = self.backend._take_head()
+        self.spare = self.backend._take_buffer(CTL.size + INLINE_MAX)
         self.head = self.spare[0]
         self.head[:CTL.size] = _NO_HEADER  # a reused buffer: a message too short for a header must not parse as one
         self.head_req = self.backend._raw_recv(self.state, self.head, HDR_TAG | self.tag, self.spare[1])
@@ -215,11 +220,11 @@ class RecvOp(P2POp):
             if self.nbytes:
                 self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
             self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
-            self.backend._give_head(self.spare)  # its receive completed and its bytes are consumed
+            self.backend._give_buffer(self.spare)  # its receive completed and its bytes are consumed
         else:
             self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
             self.reqs.append(self.reply(ACK))
-            self.backend._give_head(self.spare)
+            self.backend._give_buffer(self.spare)
         self.reqs.append(self.data_req)
         if _all_done(self.reqs):
             self.finish()

@@ -73,7 +73,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -89,7 +89,7 @@ from ..errors import (
 from .. import _lifecycle
 from .._proc import ray_node_id
 from ..types import Capabilities
-from ._ucx_ops import CTL as _CTL, INLINE_MAX as _INLINE_MAX, P2POp, RecvOp, SendOp
+from ._ucx_ops import CTL as _CTL, P2POp, RecvOp, SendOp
 from ._ucx_progress import AwaitOp, Op, ProgressEngine
 from .base import Backend, BackendConfig, Work
 
@@ -111,7 +111,7 @@ _RANK = struct.Struct("<I")
 
 _PROTO = b"rdt-ucx-v1"
 _MAX_HANDSHAKE_S = 30.0
-_HEADS_KEPT = 16  # spare header receive buffers per backend (64 KiB each)
+_SPARES_KEPT = 16  # spare receive buffers per size per backend (verdicts: 24 B, headers: 64 KiB)
 
 # Same-node handshake over worker-address endpoints (see "Same-node peers" in the module docstring).
 _BYE = 4
@@ -345,7 +345,7 @@ class UcxBackend(Backend):
         self._hello_pending: Set[int] = set()  # client ranks with a same-node handshake in progress
         self._pending: Dict[Tuple[str, int, int], P2POp] = {}  # (op, peer, tag) -> latest operation
         self._pending_lock = threading.Lock()
-        self._heads: list = []  # spare header receive buffers (_take_head)
+        self._spares: Dict[int, List[Tuple[bytearray, Any]]] = {}  # receive buffers by size (_take_buffer)
         self._bye_task: Optional["asyncio.Task[Any]"] = None
         _UNCLOSED.add(self)
         self._loop = asyncio.new_event_loop()
@@ -894,18 +894,21 @@ class UcxBackend(Backend):
             raise state.error or self._closed_error(None, None)
         return raw.tag_recv(_Array(buf) if array is None else array, self._wire(state, subtag, False))
 
-    def _take_head(self) -> Tuple[bytearray, Any]:
-        """A receive buffer for a header with the largest inline payload, and ucxx's view of it (engine lock held):
-        reused, since making one costs a 64 KiB allocation and a buffer-protocol parse per receive."""
-        if self._heads:
-            return self._heads.pop()
-        buf = bytearray(_CTL.size + _INLINE_MAX)
+    def _take_buffer(self, size: int) -> Tuple[bytearray, Any]:
+        """A receive buffer of ``size`` bytes (a verdict, or a header with the largest inline payload) and ucxx's
+        view of it (engine lock held): reused, since making one costs an allocation and a buffer-protocol parse
+        per message. The caller clears what it parses before posting."""
+        spares = self._spares.get(size)
+        if spares:
+            return spares.pop()
+        buf = bytearray(size)
         return buf, _Array(buf)
 
-    def _give_head(self, head: Tuple[bytearray, Any]) -> None:
-        """Return a header buffer whose receive completed and whose bytes were consumed (engine lock held)."""
-        if len(self._heads) < _HEADS_KEPT:
-            self._heads.append(head)
+    def _give_buffer(self, spare: Tuple[bytearray, Any]) -> None:
+        """Return a buffer whose receive completed and whose bytes were consumed (engine lock held)."""
+        spares = self._spares.setdefault(len(spare[0]), [])
+        if len(spares) < _SPARES_KEPT:
+            spares.append(spare)
 
     @staticmethod
     def _host_bytes(tensor: torch.Tensor) -> memoryview:

@@ -442,8 +442,8 @@ def test_destroyed_groups_free_their_ucx_workers() -> None:
 
 
 def test_reused_header_buffers_never_leak_an_earlier_message(pair) -> None:
-    """Header receive buffers are reused: a small message after a large one gets only its own bytes, the
-    header of a message is never read from an earlier one, and the spare buffers stay bounded."""
+    """Header and verdict receive buffers are reused: a small message after a large one gets only its own bytes,
+    neither a header nor a verdict is ever read from an earlier message, and the spare buffers stay bounded."""
     b0, b1 = pair
     for i in range(40):
         big = torch.full((15000,), float(i))  # 60 KiB: inline, fills most of the header buffer
@@ -461,4 +461,26 @@ def test_reused_header_buffers_never_leak_an_earlier_message(pair) -> None:
     with pytest.raises(TensorMismatchError):
         s.wait(10)
     assert torch.equal(dst, torch.zeros(4099, dtype=torch.int32))
-    assert len(b1._heads) <= ucx_mod._HEADS_KEPT and len(b0._heads) <= ucx_mod._HEADS_KEPT
+    for b in (b0, b1):
+        assert all(len(spares) <= ucx_mod._SPARES_KEPT for spares in b._spares.values()), b._spares.keys()
+
+
+def test_sends_answered_out_of_order_keep_their_own_verdicts(pair) -> None:
+    """Sends in flight to one peer, received out of order: each send's verdict arrives before its predecessor's.
+    A verdict buffer is reused only once both its readers (its own send, then the next send) have read it: a send
+    posted meanwhile must not take the buffer of a verdict still to be read."""
+    b0, b1 = pair
+    for size in (4099, 7001):  # new (size, dtype) pairs: these sends wait for their own verdicts
+        tags = [_tag() for _ in range(5)]
+        srcs = [torch.full((size,), float(i + 1)) for i in range(5)]
+        dsts = [torch.zeros(size) for _ in tags]
+        sends = [b0.isend(srcs[i], 1, tags[i]) for i in range(4)]
+        recvs = [b1.irecv(dsts[i], 0, tags[i]) for i in (3, 2, 1)]  # verdicts of sends 1-3 come first
+        for w in recvs:
+            w.wait(10)
+        time.sleep(0.2)  # the sender's progress pump reads the verdicts that arrived
+        sends.append(b0.isend(srcs[4], 1, tags[4]))  # takes a spare verdict buffer
+        recvs += [b1.irecv(dsts[0], 0, tags[0]), b1.irecv(dsts[4], 0, tags[4])]
+        for w in recvs + sends:
+            w.wait(10)
+        assert all(torch.equal(src, dst) for src, dst in zip(srcs, dsts))
