@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 import ray
@@ -397,7 +397,7 @@ def test_ray_get_of_several_refs_starts_all_on_the_driver(actors) -> None:
     assert GateTransport.started == 4
 
 
-def test_ray_get_of_several_refs_one_failing_fails_alone(actors) -> None:
+def test_ray_get_of_several_refs_one_failing_fails_alone(actors, fresh_async_consumer) -> None:
     """The failed object surfaces as its own typed error; the others were fetched (not cancelled) and still get."""
     p, _c = actors
     refs = [p.gate.remote(float(i)) for i in (0, 1, 9, 3)]
@@ -415,7 +415,7 @@ def test_ray_get_of_several_refs_one_failing_fails_alone(actors) -> None:
         _arm_gate(0, 10.0)
 
 
-def test_several_ref_arguments_start_before_any_is_waited_on(actors) -> None:
+def test_several_ref_arguments_start_before_any_is_waited_on(actors, fresh_async_consumer) -> None:
     p, c = actors
     refs = [p.gate.remote(float(i)) for i in range(4)]
     ray.get(c.arm_gate.remote(4, 3.0), timeout=60)
@@ -423,7 +423,7 @@ def test_several_ref_arguments_start_before_any_is_waited_on(actors) -> None:
     assert out == {"fills": [0.0, 1.0, 2.0, 3.0], "started": 4}, out
 
 
-def test_ray_get_of_a_list_argument_starts_all_in_an_actor(actors) -> None:
+def test_ray_get_of_a_list_argument_starts_all_in_an_actor(actors, fresh_async_consumer) -> None:
     p, c = actors
     refs = [p.gate.remote(float(i)) for i in range(4)]
     out = ray.get(c.take_list.remote(refs, 4, 3.0), timeout=120)
@@ -431,7 +431,7 @@ def test_ray_get_of_a_list_argument_starts_all_in_an_actor(actors) -> None:
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
-def test_nixl_registers_into_targets_once_per_storage(actors) -> None:
+def test_nixl_registers_into_targets_once_per_storage(actors, fresh_async_consumer) -> None:
     """Repeated rdt.get(into=params) over NIXL registers each target storage once; deleting the params drains."""
     p, c = actors
     before = ray.get(c.nixl_targets.remote(), timeout=60)
@@ -445,7 +445,7 @@ def test_nixl_registers_into_targets_once_per_storage(actors) -> None:
     assert after == {"made": during["made"], "live": before["live"]}, (before, during, after)
 
 
-def test_wait_tensor_freed(actors) -> None:
+def test_wait_tensor_freed(actors, fresh_async_consumer) -> None:
     p, c = actors
     ref = p.kept.remote()
     ray.get(ref)  # the object exists (driver fallback fetch)
@@ -454,55 +454,51 @@ def test_wait_tensor_freed(actors) -> None:
     assert ray.get(p.wait_freed.remote(30.0), timeout=60) == "freed"
 
 
-def test_async_ref_arguments_are_fetched_off_the_event_loop(actors) -> None:
+@pytest.fixture
+def fresh_async_consumer() -> Iterator[Any]:
+    """A new AsyncConsumer actor for one test (its gate counters and ticker start from zero), killed after it."""
+    a = AsyncConsumer.remote()
+    yield a
+    ray.kill(a)
+
+
+def test_async_ref_arguments_are_fetched_off_the_event_loop(actors, fresh_async_consumer) -> None:
     """The gate passes a fetch only once the actor's event loop has ticked 5 times during it: a fetch of an
     ``async def`` method's ref arguments that ran on the loop would time out."""
     p, _c = actors
-    a = AsyncConsumer.remote()
-    try:
-        ray.get(a.start_ticker.remote(), timeout=60)
-        refs = [p.gate.remote(1.0), p.gate.remote(2.0)]
-        assert ray.get(a.take_args.remote(*refs), timeout=120) == [1.0, 2.0]
-    finally:
-        ray.kill(a)
+    a = fresh_async_consumer
+    ray.get(a.start_ticker.remote(), timeout=60)
+    refs = [p.gate.remote(1.0), p.gate.remote(2.0)]
+    assert ray.get(a.take_args.remote(*refs), timeout=120) == [1.0, 2.0]
 
 
-def test_async_ref_keyword_arguments_too_and_one_ref_twice_is_fetched_once(actors) -> None:
+def test_async_ref_keyword_arguments_too_and_one_ref_twice_is_fetched_once(actors, fresh_async_consumer) -> None:
     p, _c = actors
-    a = AsyncConsumer.remote()
-    try:
-        ray.get(a.start_ticker.remote(), timeout=60)  # the gate passes only while the loop keeps ticking
-        ref = p.gate.remote(4.0)
-        out = ray.get(a.same_twice.remote(ref, b=ref), timeout=120)
-        assert out == {"fill": 4.0, "same": True, "step": 7, "started": 1}, out
-    finally:
-        ray.kill(a)
+    a = fresh_async_consumer
+    ray.get(a.start_ticker.remote(), timeout=60)  # the gate passes only while the loop keeps ticking
+    ref = p.gate.remote(4.0)
+    out = ray.get(a.same_twice.remote(ref, b=ref), timeout=120)
+    assert out == {"fill": 4.0, "same": True, "step": 7, "started": 1}, out
 
 
-def test_async_ref_argument_whose_fetch_fails_raises_the_typed_error(actors) -> None:
+def test_async_ref_argument_whose_fetch_fails_raises_the_typed_error(actors, fresh_async_consumer) -> None:
     """The failed fetch fails that call with rdt's typed error; the actor and its loop keep serving."""
     p, _c = actors
-    a = AsyncConsumer.remote()
-    try:
-        ray.get(a.arm_failure.remote(9.0), timeout=60)
-        with pytest.raises(rdt.ObjectFetchError) as info:
-            ray.get(a.take_args.remote(p.gate.remote(9.0), p.gate.remote(1.0)), timeout=120)
-        assert "told to fail" in str(info.value)
-        assert ray.get(a.take_args.remote(p.gate.remote(2.0), p.gate.remote(3.0)), timeout=120) == [2.0, 3.0]
-        assert ray.get(a.ping.remote(), timeout=60) == 1
-    finally:
-        ray.kill(a)
+    a = fresh_async_consumer
+    ray.get(a.arm_failure.remote(9.0), timeout=60)
+    with pytest.raises(rdt.ObjectFetchError) as info:
+        ray.get(a.take_args.remote(p.gate.remote(9.0), p.gate.remote(1.0)), timeout=120)
+    assert "told to fail" in str(info.value)
+    assert ray.get(a.take_args.remote(p.gate.remote(2.0), p.gate.remote(3.0)), timeout=120) == [2.0, 3.0]
+    assert ray.get(a.ping.remote(), timeout=60) == 1
 
 
-def test_sync_and_streaming_methods_of_an_async_actor_get_their_ref_arguments(actors) -> None:
+def test_sync_and_streaming_methods_of_an_async_actor_get_their_ref_arguments(actors, fresh_async_consumer) -> None:
     p, _c = actors
-    a = AsyncConsumer.remote()
-    try:
-        assert ray.get(a.take_sync.remote(p.gate.remote(5.0)), timeout=120) == 5.0
-        gen = a.stream.options(num_returns="streaming").remote(p.gate.remote(5.0))
-        assert [ray.get(r, timeout=120) for r in gen] == [5.0, 6.0]
-    finally:
-        ray.kill(a)
+    a = fresh_async_consumer
+    assert ray.get(a.take_sync.remote(p.gate.remote(5.0)), timeout=120) == 5.0
+    gen = a.stream.options(num_returns="streaming").remote(p.gate.remote(5.0))
+    assert [ray.get(r, timeout=120) for r in gen] == [5.0, 6.0]
 
 
 @pytest.mark.parametrize("holder", ["loaded before rdt", "loaded after rdt"])
@@ -516,15 +512,12 @@ def test_async_actor_constructed_with_a_ref_argument(actors, holder: str) -> Non
         ray.kill(h)
 
 
-def test_await_ref_in_an_async_actor_fetches_off_the_event_loop(actors) -> None:
+def test_await_ref_in_an_async_actor_fetches_off_the_event_loop(actors, fresh_async_consumer) -> None:
     """``await ref`` on an rdt ref: Ray deserializes the value off the event loop (the ticker keeps running)."""
     p, _c = actors
-    a = AsyncConsumer.remote()
-    try:
-        ray.get(a.start_ticker.remote(), timeout=60)
-        assert ray.get(a.await_ref.remote([p.gate.remote(3.0)]), timeout=120) == 3.0
-    finally:
-        ray.kill(a)
+    a = fresh_async_consumer
+    ray.get(a.start_ticker.remote(), timeout=60)
+    assert ray.get(a.await_ref.remote([p.gate.remote(3.0)]), timeout=120) == 3.0
 
 
 def test_async_consumer_keeps_its_loop_serving(ray_cluster) -> None:
