@@ -84,7 +84,8 @@ def _value(result: Any) -> Any:
 
 
 def _resolve_now(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """The arguments with every DeferredArg replaced by its value, waiting on this thread."""
+    """The arguments with every DeferredArg replaced by its value, waiting on this thread. Bounded: each fetch
+    ends within ``transfer_timeout`` of its start (a ``TransferTimeoutError`` then fails the call)."""
     out = tuple(_value(a.future.result()) if type(a) is DeferredArg else a for a in args)
     kw = {k: (_value(v.future.result()) if type(v) is DeferredArg else v) for k, v in kwargs.items()}
     return out, kw
