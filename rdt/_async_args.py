@@ -146,4 +146,3 @@ def install() -> None:
     from ._ray_hooks import wrap_actor_method_executor
 
     wrap_actor_method_executor(_wrap_make)
-

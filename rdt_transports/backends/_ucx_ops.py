@@ -220,11 +220,10 @@ class RecvOp(P2POp):
             if self.nbytes:
                 self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
             self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
-            self.backend._give_buffer(self.spare)  # its receive completed and its bytes are consumed
         else:
             self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
             self.reqs.append(self.reply(ACK))
-            self.backend._give_buffer(self.spare)
+        self.backend._give_buffer(self.spare)  # its receive completed and its bytes are consumed
         self.reqs.append(self.data_req)
         if _all_done(self.reqs):
             self.finish()
