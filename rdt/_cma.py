@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,7 +30,6 @@ from rdt_transports._proc import pid_alive
 
 MAGIC = b"rdtcma1\0"
 GUARD_BYTES = len(MAGIC) + 16
-_CHUNK = 16 << 20  # per-call bytes when a read is split across threads
 _PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs more than it saves)
 
 
@@ -145,6 +144,26 @@ def gather(parts: Sequence[Tuple[int, int, int]]) -> None:
         ctypes.memmove(dest, src, n)
 
 
+def split_even(parts: Sequence[Tuple[int, int, int]], k: int) -> List[List[Tuple[int, int, int]]]:
+    """(dest, src, n) ranges cut into at most ``k`` lists of about equal bytes, in order (a range that straddles
+    a boundary is split there), so that ``k`` threads finish together whatever the sizes of the ranges."""
+    total = sum(n for _, _, n in parts)
+    share = max(-(-total // max(k, 1)), 1)
+    out: List[List[Tuple[int, int, int]]] = [[]]
+    room = share
+    for dest, src, n in parts:
+        off = 0
+        while off < n:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(n - off, room)
+            out[-1].append((dest + off, src + off, take))
+            off += take
+            room -= take
+    return [s for s in out if s]
+
+
 class _DeniedPids:
     """Pids the kernel refused, most recent last: at most ``cap`` (the oldest is forgotten and merely tried
     again), and a pid whose process died is forgotten when asked about, so a reused pid starts afresh."""
@@ -198,8 +217,19 @@ class CmaReader:
         if _READV is None:
             raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
         try:
-            self._read_all(pid, [(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n])
-            got = np.empty(GUARD_BYTES, dtype=np.uint8)
+            self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
+                        lambda part: _read_batched(pid, part))
+        except CmaDenied:
+            self._denied.add(pid)
+            raise
+        self.check(pid, info, obj_id)
+
+    def check(self, pid: int, info: CmaInfo, obj_id: bytes) -> None:
+        """Raise :class:`CmaError` unless the guard in process ``pid`` still names ``obj_id`` (the object is live)."""
+        if _READV is None:
+            raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
+        got = np.empty(GUARD_BYTES, dtype=np.uint8)
+        try:
             _read_once(pid, got.ctypes.data, info.guard, GUARD_BYTES)
         except CmaDenied:
             self._denied.add(pid)
@@ -207,19 +237,20 @@ class CmaReader:
         if got.tobytes() != _guard_bytes(obj_id):
             raise CmaError(errno.ESTALE, f"object {obj_id.hex()} is no longer held by pid {pid}")
 
-    def _read_all(self, pid: int, parts: List[Tuple[int, int, int]]) -> None:
+    def spread(self, parts: Sequence[Tuple[int, int, int]],
+               fn: Callable[[Sequence[Tuple[int, int, int]]], None]) -> None:
+        """Run ``fn`` over (dest, src, n) ranges split into one even share of bytes per thread (this thread takes
+        the first share); small totals run here in one call. Waits for every share, then raises the first error."""
         total = sum(n for _, _, n in parts)
         if self.threads < 2 or total < _PARALLEL_MIN:
-            _read_batched(pid, parts)
+            fn(parts)
             return
-        step = max(_CHUNK, -(-total // self.threads))
-        pieces = [(local + off, remote + off, min(step, n - off))
-                  for local, remote, n in parts for off in range(0, n, step)]
+        shares = split_even(parts, self.threads)
         pool = self._executor()
-        futures = [pool.submit(_read_once, pid, *p) for p in pieces[1:]]
+        futures = [pool.submit(fn, s) for s in shares[1:]]
         first: Optional[BaseException] = None
         try:
-            _read_once(pid, *pieces[0])
+            fn(shares[0])
         except BaseException as e:  # still wait for the others: they write into our buffers
             first = e
         for f in futures:

@@ -1,13 +1,14 @@
 """Cross-memory reads (process_vm_readv) against a real second process: bytes, guard, freed memory, dead and
-forbidden processes."""
+forbidden processes; the even split of a read across threads."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -152,3 +153,26 @@ def test_batched_read_of_many_ranges_and_a_bad_one() -> None:
     parts[1200] = (parts[1200][0], 8, parts[1200][2])  # unmapped page
     with pytest.raises(_cma.CmaError):
         _cma._read_batched(os.getpid(), parts)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_split_even_keeps_every_byte_in_order(k):
+    rng = random.Random(k)
+    parts: List[Tuple[int, int, int]] = []
+    at = 0
+    for _ in range(50):
+        n = rng.choice([1, 17, 4096, 1 << 20, 37 << 20])
+        parts.append((at, 10 ** 12 + at, n))
+        at += n
+    shares = _cma.split_even(parts, k)
+    total = sum(n for *_, n in parts)
+    assert 1 <= len(shares) <= k
+    flat = [p for s in shares for p in s]
+    assert sum(n for *_, n in flat) == total
+    pos = 0
+    for dest, src, n in flat:  # contiguous, in order, source and destination cut at the same places
+        assert dest == pos and src == 10 ** 12 + pos and n > 0
+        pos += n
+    sizes = [sum(n for *_, n in s) for s in shares]
+    assert max(sizes) - min(sizes) <= -(-total // k)
+    assert all(sz <= -(-total // k) for sz in sizes)
