@@ -110,9 +110,12 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 
 
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
-              pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None, relay: Optional[bool] = None,
-              relay_min_bytes: Optional[int] = None, relay_stall_timeout: Optional[float] = None) -> None:
+              pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None, shm_map: Optional[bool] = None,
+              relay: Optional[bool] = None, relay_min_bytes: Optional[int] = None, relay_stall_timeout: Optional[float] = None) -> None:
     """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide).
+
+    ``shm_map``: whether this consumer maps a same-node producer's tensors that live in shared memory
+    (``model.share_memory()``) and keeps them mapped across syncs, instead of a direct read of each object.
 
     ``relay``/``relay_min_bytes``: whether consumers of one gloo object are chained (each forwards to the next, so
     the producer sends it about once), and from what size; a consumer and its producer both have to allow it.
@@ -147,6 +150,11 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"shm_cma must be True or False, got {shm_cma!r}",
                                        hint="pass rdt.configure(shm_cma=False) to move shm objects through segments")
         changes["shm_cma"] = shm_cma
+    if shm_map is not None:
+        if not isinstance(shm_map, bool):
+            raise InvalidArgumentError(f"shm_map must be True or False, got {shm_map!r}",
+                                       hint="pass rdt.configure(shm_map=False) to read shared weights directly instead")
+        changes["shm_map"] = shm_map
     if relay is not None:
         if not isinstance(relay, bool):
             raise InvalidArgumentError(f"relay must be True or False, got {relay!r}",

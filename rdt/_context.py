@@ -23,7 +23,7 @@ import ray
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cma, _consumer, _control, _producer, _ready, _shm, transports
+from . import _cma, _consumer, _control, _producer, _ready, _shm, _shm_map, transports
 from ._alloc import BufferPool
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
@@ -135,6 +135,7 @@ class RdtContext:
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
         self.cma = _cma.CmaReader()
+        self.shm_maps = _shm_map.MapReader(self.cma.spread, self.config.pool_ttl)
         self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
@@ -159,6 +160,7 @@ class RdtContext:
             try:
                 self.shm_pool.trim()
                 self.buffers.trim()
+                self.shm_maps.trim()  # mappings of producers' shared storages unused for pool_ttl
                 if self.nixl is not None:
                     self.nixl.registrations.sweep()  # registrations of storages that died since
                 if time.monotonic() - last_reap >= period:
@@ -373,6 +375,7 @@ class RdtContext:
         self.shm_pool.close()
         self.buffers.close()
         self.unmapper.stop(_lifecycle.JOIN_TIMEOUT_S)
+        self.shm_maps.close()
         self.cma.close()
         for name in _shm.segments_of(os.getpid()) + _shm.semaphores_of(os.getpid()):
             _shm.unlink(name)

@@ -141,6 +141,7 @@ DRIVER_CASES: Dict[str, Tuple[Callable[[], Any], type, str]] = {
     "configure inline_threshold float": (lambda: rdt.configure(inline_threshold=1.5), InvalidArgumentError,
                                          "inline_threshold=0"),
     "configure shm_cma not bool": (lambda: rdt.configure(shm_cma="no"), InvalidArgumentError, "shm_cma=False"),
+    "configure shm_map not bool": (lambda: rdt.configure(shm_map=1), InvalidArgumentError, "shm_map=False"),
     "stats of a non-actor": (lambda: rdt.stats("actor"), InvalidArgumentError, "Cls.remote()"),
     "destroy_collective_group with a name": (lambda: rdt.destroy_collective_group("g"), InvalidArgumentError,
                                              "GroupHandle"),

@@ -116,6 +116,15 @@ class Producer:
         self.w = torch.full((N,), 3.0)
         return {"w": self.w}
 
+    @rdt.tensor_method(tensor_transport="shm")
+    def shared(self, fill: float) -> Dict[str, Any]:
+        """Weights in shared memory (model.share_memory()), updated in place and returned every step."""
+        if getattr(self, "shared_state", None) is None:
+            self.shared_state = {k: v.share_memory_() for k, v in _state(0.0).items()}
+        for k, v in _state(fill).items():
+            self.shared_state[k].copy_(v)
+        return {**self.shared_state, "step": 7}
+
     def wait_freed(self, timeout: float) -> str:
         try:
             rdt.wait_tensor_freed(self.w, timeout=timeout)
@@ -150,6 +159,32 @@ class Consumer:
             "step": value["step"],
             "pool_takes": (pool.hits + pool.misses) - sum(before),
         }
+
+    def configure(self, **kw: Any) -> None:
+        rdt.configure(**kw)
+
+    def load_shared(self, refs: List[Any], fill: float, into: bool) -> Dict[str, Any]:
+        """Load a same-node object of shared weights; which path served it and the mappings kept afterwards."""
+        from rdt._context import get_context
+
+        ctx = get_context()
+        before = ctx.stats.paths_snapshot()
+        value = rdt.get(refs[0], into=self.params if into else None, timeout=60)
+        after = ctx.stats.paths_snapshot()
+        return {"values": all(bool((value[k] == v).all()) for k, v in _state(fill).items()),
+                "same": all(value[k] is self.params[k] for k in self.params),
+                "paths": {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)},
+                "maps": len(ctx.shm_maps)}
+
+    def trim_maps(self, after_s: float) -> int:
+        """Unmap idle mappings as the reaper would ``after_s`` seconds from now; the count left."""
+        import time
+
+        from rdt._context import get_context
+
+        maps = get_context().shm_maps
+        maps.trim(now=time.monotonic() + after_s)
+        return len(maps)
 
     def load_bad(self, refs: List[Any], case: str) -> Dict[str, Any]:
         p = {k: torch.full_like(v, -1) for k, v in _state(0.0).items()}
@@ -373,6 +408,26 @@ def test_into_mismatch_refused_before_any_byte(actors, case: str) -> None:
     if case == "dtype":
         assert "['ids']" in out["msg"] and "int64" in out["msg"] and "int32" in out["msg"], out["msg"]
     assert "Fix:" in out["msg"]
+
+
+def test_shared_weights_are_copied_from_mappings_kept_across_syncs(actors) -> None:
+    """A producer whose weights live in shared memory: consumers copy from mappings of its storages (path
+    'shm-map'), one per storage, kept across syncs and seeing each in-place update; freed after the ttl."""
+    p, c = actors
+    for step in range(1, 4):
+        out = ray.get(c.load_shared.remote([p.shared.remote(float(step))], float(step), True), timeout=60)
+        assert out["values"] and out["same"] and out["paths"] == {"shm-map": 1}, out
+        assert out["maps"] == 3, out  # the state's three storages, mapped once
+    plain = ray.get(c.load_shared.remote([p.shared.remote(9.0)], 9.0, False), timeout=60)
+    assert plain["values"] and not plain["same"] and plain["paths"] == {"shm-map": 1} and plain["maps"] == 3
+    ray.get(c.configure.remote(shm_map=False), timeout=30)
+    try:
+        off = ray.get(c.load_shared.remote([p.shared.remote(4.0)], 4.0, True), timeout=60)
+        assert off["values"] and off["paths"] == {"shm-direct": 1}, off
+    finally:
+        ray.get(c.configure.remote(shm_map=True), timeout=30)
+    assert ray.get(c.trim_maps.remote(0.0), timeout=30) == 3
+    assert ray.get(c.trim_maps.remote(3600.0), timeout=30) == 0  # idle beyond the ttl: unmapped
 
 
 def test_tied_weights_into_separate_targets(actors) -> None:

@@ -1,8 +1,10 @@
-"""Same-node objects: a direct read of the producer's memory (``process_vm_readv``), or a shared-memory segment.
+"""Same-node objects: a copy from the producer's shared storages, a direct read of the producer's memory
+(``process_vm_readv``), or a shared-memory segment.
 
 Export: where the kernel lets same-node consumers read this process (see ``_cma``), a guard naming the object and
-the buffers' addresses; otherwise, for an explicit "shm" object, a segment written at return. Fetch: a direct read
-into recycled receive buffers; any failed read asks the producer, which answers authoritatively (a segment written
+the buffers' addresses, and where the buffers live in shared memory, the files behind them (``_shm_map``);
+otherwise, for an explicit "shm" object, a segment written at return. Fetch: a copy from cached mappings of those
+files, else a direct read, into the caller's targets or recycled receive buffers; any failed read asks the producer, which answers authoritatively (a segment written
 on demand, the object freed, or nothing: the producer died).
 """
 
@@ -16,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import _cma, _control, _shm
+from .. import _cma, _control, _shm, _shm_map
 from .._ready import wait_ready
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
@@ -31,6 +33,7 @@ class ShmDescriptor:
 
     cma: Optional[_cma.CmaInfo] = None
     segment: Optional[_shm.Segment] = None
+    maps: Optional[_shm_map.MapInfo] = None  # where the buffers lie in the producer's shared storages, if they do
 
 
 class ShmTransport(Transport):
@@ -41,8 +44,8 @@ class ShmTransport(Transport):
         wait_ready(entry)  # consumers read the producer's memory one-sidedly from here on
         if ctx.cma_readable():
             guard = entry.exports["cma_guard"] = _cma.guard_for(entry.obj_id)
-            return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data,
-                                                  tuple(entry.flat.ranges)))
+            return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data, tuple(entry.flat.ranges)),
+                                 maps=_shm_map.describe(entry.flat.spans))
         if chosen == "shm":
             seg = entry.exports["shm"] = ctx.shm_pool.write(entry.buffers, entry.obj_id)
             return ShmDescriptor(segment=seg)
@@ -53,10 +56,11 @@ class ShmTransport(Transport):
         info = desc.cma if desc is not None else None
         if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
             bufs = _landings(ctx, meta, site)
+            dests = bufs.addresses() if isinstance(bufs, BlockViews) else [b.data_ptr() for b in bufs]
             try:
-                ctx.cma.read(meta.producer.pid, info,
-                             bufs.addresses() if isinstance(bufs, BlockViews) else [b.data_ptr() for b in bufs],
-                             meta.obj_id)
+                if desc.maps is not None and ctx.config.shm_map and _read_mapped(ctx, meta, desc.maps, info, dests):
+                    return Fetched(bufs, "shm-map")
+                ctx.cma.read(meta.producer.pid, info, dests, meta.obj_id)
                 return Fetched(bufs, "shm-direct")
             except _cma.CmaError as e:
                 # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
@@ -85,6 +89,19 @@ class ShmTransport(Transport):
         seg = entry.exports.pop("shm", None)
         if seg is not None:
             ctx.shm_pool.release(seg)
+
+
+def _read_mapped(ctx: Any, meta: ObjectMeta, maps: _shm_map.MapInfo, info: _cma.CmaInfo,
+                 dests: Sequence[int]) -> bool:
+    """Copy the object from mappings of the producer's shared storages, then check its guard. False when they cannot
+    be mapped (the caller reads directly instead); raises CmaError when the object is gone."""
+    try:
+        ctx.shm_maps.read(meta.producer.pid, maps, dests, [n for _, n in info.ranges])
+    except _shm_map.MapError as e:
+        logger.debug("rdt: mapping the shared storages of %s failed (%s); reading directly", meta.id_hex, e)
+        return False
+    ctx.cma.check(meta.producer.pid, info, meta.obj_id)
+    return True
 
 
 def _map(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tensor]:

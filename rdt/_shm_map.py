@@ -1,0 +1,248 @@
+"""Same-node reads from a mapping of the producer's own shared memory, kept mapped across syncs.
+
+A trainer whose weights live in shared memory (torch's ``share_memory_()``, e.g. ``model.share_memory()``) holds
+each storage as an unlinked tmpfs file it keeps open. A consumer that may read the producer's memory (the rule
+``_cma`` checks) may also open those files through ``/proc/<pid>/fd``. It maps each one once, keeps the mapping
+while it is used (a trainer publishes the same storages every step), and copies from it on every core: one
+user-space copy, no kernel copy per byte range, and no page-table work after the first sync.
+
+As for a direct read, the consumer reads the object's guard (``_cma``) after the copy: only a guard that still
+names the object proves the bytes came from the live object. A mapping unused for ``ttl`` seconds, or of a
+producer that died, is unmapped by :meth:`MapReader.trim` (rdt's reaper), so a consumer keeps a storage the
+producer freed for at most that long.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rdt_transports._proc import pid_alive
+
+Part = Tuple[int, int, int]  # (destination address, source address, bytes)
+
+
+class MapError(OSError):
+    """A producer's shared storage could not be mapped (gone, changed or refused): read it another way."""
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """One shared storage of the producer: the descriptor it holds and the file's identity."""
+
+    fd: int
+    dev: int
+    ino: int
+    size: int
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    """Where each buffer of an object lies in the producer's shared files: ``parts[i]`` = (file index, offset)."""
+
+    files: Tuple[SharedFile, ...]
+    parts: Tuple[Tuple[int, int], ...]
+
+
+def describe(spans: Sequence[Tuple[torch.Tensor, int, int]]) -> Optional[MapInfo]:
+    """Producer: the shared files behind an object's buffers, given per buffer (a tensor on its storage, first
+    byte, end byte); None unless every buffer lies in a CPU storage that torch shared by file descriptor (the
+    default strategy on Linux). Never moves a storage."""
+    import torch.multiprocessing as tmp
+
+    if tmp.get_sharing_strategy() != "file_descriptor":
+        return None  # _share_fd_cpu_ would move a storage shared another way: never do that under a live object
+    files: List[SharedFile] = []
+    index: Dict[int, int] = {}
+    parts: List[Tuple[int, int]] = []
+    for owner, lo, hi in spans:
+        if hi <= lo:
+            parts.append((-1, 0))
+            continue
+        if owner.device.type != "cpu":
+            return None
+        storage = owner.untyped_storage()
+        if not storage.is_shared():
+            return None
+        base = storage.data_ptr()
+        f = index.get(base)
+        if f is None:
+            try:
+                fd, _ = storage._share_fd_cpu_()
+                st = os.fstat(fd)
+            except (AttributeError, RuntimeError, OSError):
+                return None
+            if storage.data_ptr() != base or st.st_size != storage.nbytes():
+                return None
+            f = index[base] = len(files)
+            files.append(SharedFile(fd, st.st_dev, st.st_ino, st.st_size))
+        parts.append((f, lo))
+    return MapInfo(tuple(files), tuple(parts))
+
+
+def spans_of(tensors: Sequence[torch.Tensor]) -> List[Tuple[torch.Tensor, int, int]]:
+    """(tensor, first byte, end byte) in its storage for contiguous ``tensors``: :func:`describe`'s input."""
+    out = []
+    for t in tensors:
+        lo = t.storage_offset() * t.element_size()
+        out.append((t, lo, lo + t.numel() * t.element_size()))
+    return out
+
+
+# ---------------------------------------------------------------------- consumer
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_munmap.restype = ctypes.c_int
+_PROT_READ, _MAP_SHARED = 0x1, 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    __slots__ = ("addr", "size", "pid", "users", "last")
+
+    def __init__(self, addr: int, size: int, pid: int) -> None:
+        self.addr, self.size, self.pid = addr, size, pid
+        self.users = 0
+        self.last = time.monotonic()
+
+
+def _map_file(pid: int, f: SharedFile) -> _Mapping:
+    path = f"/proc/{pid}/fd/{f.fd}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise MapError(e.errno, f"opening {path}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (f.dev, f.ino, f.size):
+            raise MapError(0, f"{path} is no longer the storage the object named (the producer freed it)")
+        addr = _mmap(None, f.size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise MapError(err, f"mmap of {path}: {os.strerror(err)}")
+        return _Mapping(addr, f.size, pid)
+    finally:
+        os.close(fd)
+
+
+def raw(addr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` at ``addr`` (memory someone else keeps alive for the tensor's use)."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def copy_parts(parts: Sequence[Part]) -> None:
+    """Copy (dest, src, n) ranges with torch's vectorised copy (the GIL is released while it runs)."""
+    for dest, src, n in parts:
+        raw(dest, n).copy_(raw(src, n))
+
+
+class MapReader:
+    """A consumer's mappings of producers' shared files: (pid, device, inode) -> mapping, reused across reads."""
+
+    def __init__(self, spread: Callable[[Sequence[Part], Callable[[Sequence[Part]], None]], None], ttl: float,
+                 max_maps: int = 4096) -> None:
+        """``spread(parts, fn)`` runs ``fn`` over the parts split across threads (``CmaReader.spread``)."""
+        self._spread = spread
+        self.ttl = ttl
+        self.max_maps = max_maps
+        self._maps: "OrderedDict[Tuple[int, int, int], _Mapping]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._maps)
+
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(m.size for m in self._maps.values())
+
+    def read(self, pid: int, info: MapInfo, dests: Sequence[int], sizes: Sequence[int]) -> None:
+        """Copy buffer ``i`` (``sizes[i]`` bytes) of the object ``info`` describes in process ``pid`` to
+        ``dests[i]``. Raises :class:`MapError`; the caller then checks the object's guard on success."""
+        maps = self._acquire(pid, info.files)
+        try:
+            parts: List[Part] = []
+            for d, (f, off), n in zip(dests, info.parts, sizes):
+                if not n:
+                    continue
+                m = maps[f] if 0 <= f < len(maps) else None
+                if m is None or off < 0 or off + n > m.size:
+                    raise MapError(0, f"buffer {f}@{off} (+{n} bytes) lies outside the object's shared files")
+                parts.append((d, m.addr + off, n))
+            self._spread(parts, copy_parts)
+        finally:
+            self._release(maps)
+
+    def _acquire(self, pid: int, files: Sequence[SharedFile]) -> List[_Mapping]:
+        got: List[_Mapping] = []
+        try:
+            for f in files:
+                key = (pid, f.dev, f.ino)
+                with self._lock:
+                    m = self._maps.get(key)
+                    if m is not None:
+                        m.users += 1
+                        self._maps.move_to_end(key)
+                if m is None:
+                    m = _map_file(pid, f)  # outside the lock: opening and mapping may take a while
+                    m.users = 1
+                    with self._lock:
+                        old = self._maps.get(key)
+                        if old is not None:  # another thread mapped it meanwhile: use theirs
+                            old.users += 1
+                            _munmap(m.addr, m.size)
+                            m = old
+                        else:
+                            self._maps[key] = m
+                got.append(m)
+        except BaseException:
+            self._release(got)
+            raise
+        self.trim(over_cap_only=True)
+        return got
+
+    def _release(self, maps: Sequence[_Mapping]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for m in maps:
+                m.users -= 1
+                m.last = now
+
+    def trim(self, *, over_cap_only: bool = False, now: Optional[float] = None) -> int:
+        """Unmap idle mappings: beyond ``max_maps`` (least recently used first) and, unless ``over_cap_only``,
+        those unused for ``ttl`` seconds or of a dead producer. Returns how many were unmapped."""
+        now = time.monotonic() if now is None else now
+        drop: List[_Mapping] = []
+        with self._lock:
+            excess = len(self._maps) - self.max_maps
+            alive: Dict[int, bool] = {}
+            for key, m in list(self._maps.items()):
+                if m.users:
+                    continue
+                stale = False
+                if excess > 0:
+                    stale, excess = True, excess - 1
+                elif not over_cap_only:
+                    if m.pid not in alive:
+                        alive[m.pid] = pid_alive(m.pid)
+                    stale = now - m.last >= self.ttl or not alive[m.pid]
+                if stale:
+                    drop.append(self._maps.pop(key))
+        for m in drop:
+            _munmap(m.addr, m.size)
+        return len(drop)
+
+    def close(self) -> None:
+        """Unmap every mapping not in use (at shutdown)."""
+        self.trim(now=float("inf"))

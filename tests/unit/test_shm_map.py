@@ -1,0 +1,101 @@
+"""rdt._shm_map without Ray: describing shared storages, mapping them through /proc/<pid>/fd, and the kept mappings'
+bounds (this process plays the producer: /proc/<own pid>/fd)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import List
+
+import pytest
+import torch
+
+from rdt import _cma, _shm_map
+
+pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")
+
+
+def _reader(threads: int = 2, ttl: float = 30.0) -> _shm_map.MapReader:
+    return _shm_map.MapReader(_cma.CmaReader(threads).spread, ttl)
+
+
+def _read(reader: _shm_map.MapReader, info: _shm_map.MapInfo, bufs: List[torch.Tensor]) -> List[torch.Tensor]:
+    out = [torch.empty(b.nbytes, dtype=torch.uint8) for b in bufs]
+    reader.read(os.getpid(), info, [o.data_ptr() for o in out], [b.nbytes for b in bufs])
+    return out
+
+
+def _describe(tensors: List[torch.Tensor]) -> _shm_map.MapInfo:
+    return _shm_map.describe(_shm_map.spans_of(tensors))  # type: ignore[return-value]
+
+
+def _mapped_inodes() -> List[int]:
+    with open("/proc/self/maps") as f:
+        return [int(line.split()[4]) for line in f if "/dev/shm/torch_" in line]
+
+
+def test_describe_needs_every_buffer_in_shared_memory():
+    shared = torch.arange(1000, dtype=torch.float32).share_memory_()
+    assert _shm_map.describe(_shm_map.spans_of([shared, torch.ones(3)])) is None
+    info = _describe([shared[10:20], shared[500:], torch.empty(0)])
+    assert info is not None and len(info.files) == 1
+    assert info.parts == ((0, 40), (0, 2000), (-1, 0))
+
+
+def test_a_mapped_read_returns_the_bytes_and_sees_later_writes():
+    a = torch.randn(3 << 20).share_memory_()  # 12 MiB: together above the split threshold
+    b = torch.randn(2 << 20).share_memory_()
+    bufs = [a[7:], b, a[:5]]
+    info = _describe(bufs)
+    assert info is not None and len(info.files) == 2
+    reader = _reader()
+    for step in range(3):
+        got = _read(reader, info, bufs)
+        for g, want in zip(got, bufs):
+            assert torch.equal(g.view(want.dtype), want.contiguous())
+        a.add_(1.0)  # the trainer's in-place update: the next read sees it through the same mapping
+        assert len(reader) == 2
+    reader.close()
+    assert len(reader) == 0
+
+
+def test_a_reused_descriptor_is_refused_not_read():
+    t = torch.ones(1024).share_memory_()
+    info = _describe([t])
+    assert info is not None
+    f = info.files[0]
+    wrong = _shm_map.MapInfo((_shm_map.SharedFile(f.fd, f.dev, f.ino + 1, f.size),), info.parts)
+    reader = _reader()
+    with pytest.raises(_shm_map.MapError, match="no longer the storage"):
+        _read(reader, wrong, [t])
+    gone = _shm_map.MapInfo((_shm_map.SharedFile(10 ** 6, f.dev, f.ino, f.size),), info.parts)
+    with pytest.raises(_shm_map.MapError):
+        _read(reader, gone, [t])
+    outside = _shm_map.MapInfo(info.files, ((0, 8),))
+    with pytest.raises(_shm_map.MapError, match="outside"):
+        _read(reader, outside, [t])
+    assert len(reader) == 1  # the valid file was mapped; the two refused ones were not kept
+
+
+def test_mappings_stay_flat_and_a_freed_storage_is_released_after_the_ttl():
+    reader = _reader(ttl=5.0)
+    t = torch.ones(1 << 16).share_memory_()
+    info = _describe([t])
+    assert info is not None
+    for _ in range(200):
+        _read(reader, info, [t])
+    assert len(reader) == 1 and reader.mapped_bytes() == t.nbytes
+    ino = info.files[0].ino
+    del t  # the producer frees its storage; the consumer's mapping alone keeps the file until the ttl
+    assert ino in _mapped_inodes()
+    assert reader.trim() == 0
+    assert reader.trim(now=time.monotonic() + 5.0) == 1
+    assert ino not in _mapped_inodes() and len(reader) == 0
+
+
+def test_the_cap_unmaps_the_least_recently_used():
+    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0, max_maps=3)
+    tensors = [torch.full((256,), float(i)).share_memory_() for i in range(5)]
+    for t in tensors:
+        _read(reader, _describe([t]), [t])  # type: ignore[arg-type]
+    assert len(reader) == 3
