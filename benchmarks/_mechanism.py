@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional
 # label (or its prefix before "-p2p/" or " (") -> class
 _CLASSES: Mapping[str, str] = {
     "gloo": "gloo", "ray-rdt": "gloo", "nixl": "nixl", "ucx": "ucx", "nccl": "nccl",
-    "shm-allreduce": "shm", "cma": "shm", "shm-segment": "shm", "shm": "shm",
+    "shm-allreduce": "shm", "cma": "shm", "shm-map": "shm", "shm-segment": "shm", "shm": "shm",
     "inline": "inline", "object_store": "object_store", "cuda_ipc": "cuda_ipc",
 }
 UNKNOWN = "?"
@@ -93,7 +93,8 @@ def object_mechanism(requested: str, consumer_before: Mapping[str, Any], consume
     """The path(s) that served an rdt object case, from the consumer's and producer's rdt.stats() around it.
 
     The consumer's per-path fetch counters say which path served it; a 'shm' fetch is 'shm-segment' when the
-    producer wrote segments meanwhile and 'cma' (a direct read of the producer's memory) when it did not; an
+    producer wrote segments meanwhile, 'shm-map' when every one was copied from mappings of the producer's shared
+    storages, and 'cma' (a direct read of the producer's memory) otherwise; an
     'object_store' fetch for a transport that is not the object store is 'object_store (fallback)'. Several
     paths in one case are joined with '+', most used first.
     """
@@ -103,14 +104,22 @@ def object_mechanism(requested: str, consumer_before: Mapping[str, Any], consume
     if not used:
         return UNKNOWN
     segs = segments_written(producer_after) - segments_written(producer_before)
+    mapped = paths_in(consumer_after).get("shm-map", 0) - paths_in(consumer_before).get("shm-map", 0)
     labels = []
-    for path, _ in sorted(used.items(), key=lambda kv: -kv[1]):
-        labels.append(_object_label(path, requested, segs))
+    for path, n in sorted(used.items(), key=lambda kv: -kv[1]):
+        labels.append(_object_label(path, requested, segs, mapped >= n))
     return "+".join(labels)
 
 
-def _object_label(path: str, requested: str, segments: int) -> str:
+def paths_in(stats: Mapping[str, Any]) -> Dict[str, int]:
+    """rdt.stats() -> fetches by the exact path that served them ('shm-map', 'shm-direct', 'shm-segment', ...)."""
+    return {k: int(v) for k, v in (stats.get("paths") or {}).items()}
+
+
+def _object_label(path: str, requested: str, segments: int, mapped: bool = False) -> str:
     if path == "shm":
+        if mapped:
+            return "shm-map"  # copied from mappings of the producer's shared storages
         return "shm-segment" if segments > 0 else "cma"
     if path == "object_store" and requested != "object_store":
         return "object_store (fallback)"

@@ -12,6 +12,7 @@ fresh buffers are counted); its growth over the idle value before that step is t
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import uuid
@@ -110,6 +111,7 @@ class Case:
     publish: str  # trainer method; "" for the hand-written broadcast
     consume: str  # "copy_", "into" or "broadcast"
     mechanism: str = ""  # static label (baselines); "" = read from rdt.stats()
+    shared: bool = False  # the trainer's weights moved into shared memory first (irreversible: such cases run last)
 
     @property
     def is_rdt(self) -> bool:
@@ -122,6 +124,7 @@ CASES: Tuple[Case, ...] = (
     Case("ray.collective-broadcast", "", "broadcast", "gloo"),
     *(Case(f"rdt-{t}+copy", f"publish_rdt_{t}", "copy_") for t in RDT_TRANSPORTS),
     *(Case(f"rdt-{t}+into", f"publish_rdt_{t}", "into") for t in RDT_TRANSPORTS),
+    Case("rdt-shm-shared+into", "publish_rdt_shm", "into", shared=True),
 )
 
 
@@ -297,6 +300,8 @@ def run_case(world: World, case: Case, warmup: int, iters: int, step0: int) -> D
         log(f"weight-sync n={world.n} {case.impl:<26} {why}")
         return row
     try:
+        if case.shared and not ray.get(world.trainer.share_params.remote(), timeout=world.timeout):
+            raise RuntimeError("the trainer's parameters could not be moved into shared memory")
         before = world.stats() if case.is_rdt else None
         k = step0
         times = []
@@ -318,13 +323,15 @@ def run_case(world: World, case: Case, warmup: int, iters: int, step0: int) -> D
     return row
 
 
-def copy_reference(world: World, warmup: int, iters: int) -> Dict[str, Any]:
-    """The in-process reference: a warm ``dst.copy_(src)`` of the whole model inside one worker."""
-    row = _base_row(world.shape, "inproc-copy", 1, "reference", consume="copy_", mechanism="memcpy")
+def copy_reference(world: World, warmup: int, iters: int, threads: int = 0) -> Dict[str, Any]:
+    """The in-process reference: a warm ``dst.copy_(src)`` of the whole model inside one worker, on the actor's
+    torch threads (one by default) or, with ``threads``, on that many (every core of the machine)."""
+    impl = f"inproc-copy-{threads}t" if threads else "inproc-copy"
+    row = _base_row(world.shape, impl, 1, "reference", consume="copy_", mechanism="memcpy")
     try:
-        times = ray.get(world.workers[0].copy_reference.remote(warmup + 1, iters), timeout=world.timeout)
+        times = ray.get(world.workers[0].copy_reference.remote(warmup + 1, iters, threads), timeout=world.timeout)
         row.update(_timing(world.shape.nbytes, times))
-        log(f"weight-sync inproc-copy                  median {row['seconds'] * 1e3:9.1f} ms")
+        log(f"weight-sync {impl:<26} median {row['seconds'] * 1e3:9.1f} ms")
     except Exception as e:  # noqa: BLE001
         row["error"] = _error(e)
     return row
@@ -399,6 +406,7 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
         try:
             if n == 1:
                 rows.append(copy_reference(world, warmup, iters))
+                rows.append(copy_reference(world, warmup, iters, threads=os.cpu_count() or 1))
             for case in CASES:
                 rows.append(run_case(world, case, warmup, iters, step))
                 step += warmup + iters + 1

@@ -176,18 +176,32 @@ class WeightActor:
             col.broadcast(t, 0, group)
         return self.check(expect) if expect is not None else 0.0
 
-    def copy_reference(self, warmup: int, iters: int) -> List[float]:
-        """In-process reference: seconds of ``dst.copy_(src)`` over the whole model, warm."""
+    def copy_reference(self, warmup: int, iters: int, threads: int = 0) -> List[float]:
+        """In-process reference: seconds of ``dst.copy_(src)`` over the whole model, warm; with ``threads``, torch
+        copies on that many threads (an actor's torch runs one by default)."""
         src = {name: t.clone() for name, t in self.params.items()}
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
         times = []
-        for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            for name, t in src.items():
-                self.params[name].copy_(t)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+        try:
+            for i in range(warmup + iters):
+                t0 = time.perf_counter()
+                for name, t in src.items():
+                    self.params[name].copy_(t)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
         del src
         return times
+
+    def share_params(self) -> bool:
+        """Move the parameters into shared memory in place (``model.share_memory()``), as a trainer would for
+        same-node consumers; the tensors stay the same objects."""
+        for t in self.params.values():
+            t.share_memory_()
+        return all(t.is_shared() for t in self.params.values())
 
     # ------------------------------------------------------------------ memory
     def memory_start(self) -> Dict[str, int]:

@@ -62,7 +62,7 @@ def format_weight_sync(rows: List[Mapping[str, Any]]) -> str:
            f"{'implementation':<26}{'mechanism':<22}" + "".join(f"{f'{n} worker(s)':>24}" for n in ns)]
     for impl in _order(sync):
         rs = [by[(impl, n)] for n in ns if (impl, n) in by]
-        if impl == "inproc-copy":
+        if impl.startswith("inproc-copy"):
             out.append(f"{impl:<26}{_mechanism(rs):<22}{_cell(rs[0]):>24}  (one warm dst.copy_(src), reference)")
             continue
         out.append(f"{impl:<26}{_mechanism(rs):<22}" + "".join(f"{_cell(by.get((impl, n))):>24}" for n in ns))
@@ -97,7 +97,7 @@ def weight_sync_markdown(rows: List[Mapping[str, Any]]) -> str:
     for impl in _order(sync):
         rs = [by[(impl, n)] for n in ns if (impl, n) in by]
         cells = [_cell(by.get((impl, n))).replace("us", "µs") for n in ns]
-        if impl == "inproc-copy":
+        if impl.startswith("inproc-copy"):
             cells = [_cell(rs[0]).replace("us", "µs") + " (reference)"] + [""] * (len(ns) - 1)
         out.append(f"| {impl} | {_mechanism(rs)} | " + " | ".join(cells) + " |")
     out += ["", "| implementation | workers | peak RSS per worker | USS growth per worker (max) | of the model |",

@@ -87,7 +87,8 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
     assert data["config"]["weight_sync"]["model_bytes"] == shape.nbytes
     by = {(r["impl"], r["world_size"], r["mode"]): r for r in rows}
     expected = {"ray-objstore": "object_store", "ray-rdt-gloo": "ray-rdt (gloo)", "ray.collective-broadcast": "gloo",
-                "rdt-gloo": "gloo", "rdt-shm": _cma_expected(), "rdt-nixl": "nixl"}
+                "rdt-gloo": "gloo", "rdt-shm": _cma_expected(), "rdt-nixl": "nixl",
+                "rdt-shm-shared": "shm-map" if _cma_expected() == "cma" else _cma_expected()}
     into = hasattr(rdt, "get")
     for n in (1, 4):
         for case in CASES:
@@ -101,8 +102,9 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
             assert r["seconds"] > 0 and len(r["times_s"]) == 3, r
             assert len(r["rss_peak_bytes"]) == n and all(x > shape.nbytes for x in r["rss_peak_bytes"]), r
             assert len(r["uss_growth_bytes"]) == n, r
-    ref = by[("inproc-copy", 1, "reference")]
-    assert ref["mechanism"] == "memcpy" and ref["seconds"] > 0
+    for impl in ("inproc-copy", f"inproc-copy-{os.cpu_count()}t"):
+        ref = by[(impl, 1, "reference")]
+        assert ref["mechanism"] == "memcpy" and ref["seconds"] > 0
     for count in COUNTS:
         for impl in ("rdt-gloo", "rdt-shm", "rdt-nixl"):
             r = by[(impl, 1, f"tensors={count}")]
