@@ -238,6 +238,8 @@ class RdtContext:
                          "hits": self.shm_pool.hits, "misses": self.shm_pool.misses},
             "recv_pool": {"bytes": self.buffers.idle_bytes(), "hits": self.buffers.hits,
                           "misses": self.buffers.misses},
+            # producers' shared storages this consumer keeps mapped (path shm-map); unmapped after pool_ttl idle
+            "shm_maps": {"files": len(self.shm_maps), "bytes": self.shm_maps.mapped_bytes()},
             "control_rejected": self._server.rejected if self._server is not None else 0,
             "exported_storages": self.exported_storages(),
             "relay": self._relay_stats(),

@@ -426,8 +426,10 @@ def test_shared_weights_are_copied_from_mappings_kept_across_syncs(actors) -> No
         assert off["values"] and off["paths"] == {"shm-direct": 1}, off
     finally:
         ray.get(c.configure.remote(shm_map=True), timeout=30)
+    assert rdt.stats(c)["shm_maps"]["files"] == 3
     assert ray.get(c.trim_maps.remote(0.0), timeout=30) == 3
     assert ray.get(c.trim_maps.remote(3600.0), timeout=30) == 0  # idle beyond the ttl: unmapped
+    assert rdt.stats(c)["shm_maps"] == {"files": 0, "bytes": 0}
 
 
 def test_tied_weights_into_separate_targets(actors) -> None:
