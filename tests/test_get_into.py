@@ -87,6 +87,11 @@ class Producer:
     def ping(self) -> int:
         return 1
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     @rdt.tensor_method(tensor_transport="shm")
     def shm(self, fill: float) -> Dict[str, Any]:
         return {**_state(fill), "step": 7}
@@ -175,6 +180,13 @@ class Consumer:
                 "same": all(value[k] is self.params[k] for k in self.params),
                 "paths": {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)},
                 "maps": len(ctx.shm_maps)}
+
+    def try_load_shared(self, refs: List[Any], fill: float) -> str:
+        """load_shared, or the name of the error it raised."""
+        try:
+            return "ok" if self.load_shared(refs, fill, True)["values"] else "wrong values"
+        except Exception as e:  # noqa: BLE001 - the test checks which
+            return f"{type(e).__name__}: {e}"
 
     def trim_maps(self, after_s: float) -> int:
         """Unmap idle mappings as the reaper would ``after_s`` seconds from now; the count left."""
@@ -430,6 +442,32 @@ def test_shared_weights_are_copied_from_mappings_kept_across_syncs(actors) -> No
     assert ray.get(c.trim_maps.remote(0.0), timeout=30) == 3
     assert ray.get(c.trim_maps.remote(3600.0), timeout=30) == 0  # idle beyond the ttl: unmapped
     assert rdt.stats(c)["shm_maps"] == {"files": 0, "bytes": 0}
+
+
+def test_a_kept_mapping_of_a_dead_producer_never_serves(actors) -> None:
+    """The consumer still maps a producer's shared storages (its mapping keeps the files alive) when the producer
+    dies: a later fetch copies from the mapping, then finds the guard unreadable and raises the typed error,
+    never handing out the dead producer's bytes; the reaper's trim drops the dead producer's mappings."""
+    import time
+
+    from rdt_transports._proc import pid_alive
+
+    _, c = actors
+    victim = Producer.remote()
+    pid = ray.get(victim.pid.remote(), timeout=60)
+    before = ray.get(c.trim_maps.remote(0.0), timeout=30)
+    out = ray.get(c.load_shared.remote([victim.shared.remote(2.0)], 2.0, True), timeout=60)
+    assert out["values"] and out["paths"] == {"shm-map": 1} and out["maps"] == before + 3, out
+    ref = victim.shared.remote(3.0)
+    ray.wait([ref], timeout=30)
+    ray.kill(victim)
+    deadline = time.monotonic() + 30
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid)
+    got = ray.get(c.try_load_shared.remote([ref], 3.0), timeout=60)
+    assert got.startswith(("ProducerDiedError", "ActorDiedError", "OwnerDiedError")), got
+    assert ray.get(c.trim_maps.remote(0.0), timeout=30) == before  # the dead producer's mappings are gone
 
 
 def test_tied_weights_into_separate_targets(actors) -> None:
