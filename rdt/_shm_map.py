@@ -53,12 +53,8 @@ class MapInfo:
 
 def describe(spans: Sequence[Tuple[torch.Tensor, int, int]]) -> Optional[MapInfo]:
     """Producer: the shared files behind an object's buffers, given per buffer (a tensor on its storage, first
-    byte, end byte); None unless every buffer lies in a CPU storage that torch shared by file descriptor (the
-    default strategy on Linux). Never moves a storage."""
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_descriptor":
-        return None  # _share_fd_cpu_ would move a storage shared another way: never do that under a live object
+    byte, end byte); None unless every buffer lies in a CPU storage torch shared by file descriptor (the default
+    strategy on Linux). Only reads the descriptor torch keeps: never moves a storage."""
     files: List[SharedFile] = []
     index: Dict[int, int] = {}
     parts: List[Tuple[int, int]] = []
@@ -75,11 +71,11 @@ def describe(spans: Sequence[Tuple[torch.Tensor, int, int]]) -> Optional[MapInfo
         f = index.get(base)
         if f is None:
             try:
-                fd, _ = storage._share_fd_cpu_()
+                fd = storage._get_shared_fd()  # raises for storages shared by file name, or not by torch
                 st = os.fstat(fd)
             except (AttributeError, RuntimeError, OSError):
                 return None
-            if storage.data_ptr() != base or st.st_size != storage.nbytes():
+            if st.st_size != storage.nbytes():
                 return None
             f = index[base] = len(files)
             files.append(SharedFile(fd, st.st_dev, st.st_ino, st.st_size))

@@ -42,6 +42,21 @@ def test_describe_needs_every_buffer_in_shared_memory():
     assert info.parts == ((0, 40), (0, 2000), (-1, 0))
 
 
+def test_storages_shared_by_file_name_are_left_alone():
+    """Under torch's file_system strategy there is no descriptor to name: describe says None and moves nothing."""
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        t = torch.ones(1024).share_memory_()
+    finally:
+        tmp.set_sharing_strategy(before)
+    ptr = t.data_ptr()
+    assert t.is_shared() and _shm_map.describe(_shm_map.spans_of([t])) is None
+    assert t.data_ptr() == ptr
+
+
 def test_a_mapped_read_returns_the_bytes_and_sees_later_writes():
     a = torch.randn(3 << 20).share_memory_()  # 12 MiB: together above the split threshold
     b = torch.randn(2 << 20).share_memory_()
