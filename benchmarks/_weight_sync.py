@@ -1,8 +1,10 @@
 """The weight-sync suite (issue 11 §4): a trainer actor holds a state dict with the shapes of Qwen2.5-0.5B in bf16
 and publishes it every step; 1, 2 and 4 worker actors load it into their own preallocated parameters and check a
 marker value. Side by side: Ray's object store, Ray's built-in RDT over Gloo, a hand-written per-tensor
-``ray.util.collective.broadcast``, rdt per transport with ``copy_`` and with ``rdt.get(..., into=)``, and a warm
-in-process copy as the reference; plus one object of 1, 100 and 1 000 tensors of 4 MiB in all per rdt transport.
+``ray.util.collective.broadcast``, rdt per transport with ``copy_`` and with ``rdt.get(..., into=)``, rdt's shm
+with the trainer's weights in shared memory (last: that cannot be undone), and a warm in-process copy on one
+thread and on every core as the references; plus one object of 1, 100 and 1 000 tensors of 4 MiB in all per rdt
+transport.
 
 A step is timed on the driver from the publish call until every worker has loaded and checked the marker; the
 trainer's in-place update between steps is not timed. After the timed steps one more step runs with every

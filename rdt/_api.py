@@ -111,7 +111,8 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
               pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None, shm_map: Optional[bool] = None,
-              relay: Optional[bool] = None, relay_min_bytes: Optional[int] = None, relay_stall_timeout: Optional[float] = None) -> None:
+              relay: Optional[bool] = None, relay_min_bytes: Optional[int] = None,
+              relay_stall_timeout: Optional[float] = None) -> None:
     """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide).
 
     ``shm_map``: whether this consumer maps a same-node producer's tensors that live in shared memory

@@ -4,8 +4,9 @@
 Export: where the kernel lets same-node consumers read this process (see ``_cma``), a guard naming the object and
 the buffers' addresses, and where the buffers live in shared memory, the files behind them (``_shm_map``);
 otherwise, for an explicit "shm" object, a segment written at return. Fetch: a copy from cached mappings of those
-files, else a direct read, into the caller's targets or recycled receive buffers; any failed read asks the producer, which answers authoritatively (a segment written
-on demand, the object freed, or nothing: the producer died).
+files, else a direct read, into the caller's targets or recycled receive buffers; any failed read asks the
+producer, which answers authoritatively (a segment written on demand, the object freed, or nothing: the producer
+died).
 """
 
 from __future__ import annotations
