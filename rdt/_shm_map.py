@@ -182,6 +182,7 @@ class MapReader:
 
     def _acquire(self, pid: int, files: Sequence[SharedFile]) -> List[_Mapping]:
         got: List[_Mapping] = []
+        added = False
         try:
             for f in files:
                 key = (pid, f.dev, f.ino)
@@ -201,11 +202,13 @@ class MapReader:
                             m = old
                         else:
                             self._maps[key] = m
+                            added = True
                 got.append(m)
         except BaseException:
             self._release(got)
             raise
-        self.trim(over_cap_only=True)
+        if added:  # only a new mapping can take the count over the cap
+            self.trim(over_cap_only=True)
         return got
 
     def _release(self, maps: Sequence[_Mapping]) -> None:
