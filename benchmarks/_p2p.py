@@ -23,6 +23,7 @@ from ._collectives import (BenchContext, Impl, RdtImpl, _ask_mechanism, _first_l
 MODES: Tuple[str, ...] = ("back-to-back", "barrier")
 WORLD_SIZE = 2
 BURST_BYTES = 32 << 20  # a back-to-back sample moves about this much (2 to 8 transfers)
+MAX_ROUNDS = 200  # small sizes: a round takes milliseconds, and 50 rounds left medians ~5 % apart between runs
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class LibFailed(RuntimeError):
 def burst_for(nbytes: int, quick: bool) -> int:
     """Transfers per back-to-back sample."""
     return 2 if quick else max(2, min(8, BURST_BYTES // max(nbytes, 1)))
+
+
+def rounds_for(config: Any, nbytes: int) -> Tuple[int, int]:
+    """(warmup, timed rounds): the suite's iterations, raised up to MAX_ROUNDS where its byte budget allows."""
+    warmup, iters = config.iterations(nbytes)
+    if config.quick or config.iters:
+        return warmup, iters
+    return warmup, max(iters, min(MAX_ROUNDS, config.bytes_budget // max(nbytes, 1)))
 
 
 def _ops(lib: Lib, rank: int, t: Any, timeout: float) -> Tuple[Callable[[], None], Callable[[], None]]:
@@ -207,7 +216,7 @@ def _measure_sizes(ctx: BenchContext, ready: List[Tuple[Impl, Lib]]) -> List[Dic
 
 def _one_size(ctx: BenchContext, libs: List[Lib], nbytes: int) -> Dict[str, Dict[str, List[float]]]:
     """The receiver's samples per library and mode for one size."""
-    warmup, iters = ctx.config.iterations(nbytes)
+    warmup, iters = rounds_for(ctx.config, nbytes)
     burst = burst_for(nbytes, ctx.config.quick)
     op_timeout = ctx.config.op_timeout(nbytes)
     call_timeout = _call_timeout(len(libs), nbytes, warmup + iters, burst, op_timeout)
@@ -228,7 +237,7 @@ def _rows_of(ctx: BenchContext, ready: List[Tuple[Impl, Lib]], nbytes: int,
              times: Dict[str, Dict[str, List[float]]]) -> List[Dict[str, Any]]:
     """Result rows (both modes) of one size."""
     rows: List[Dict[str, Any]] = []
-    warmup, iters = ctx.config.iterations(nbytes)
+    warmup, iters = rounds_for(ctx.config, nbytes)
     burst = burst_for(nbytes, ctx.config.quick)
     for impl, lib in ready:
         mech = _ask_mechanism(ctx, impl, "p2p", nbytes)

@@ -32,7 +32,7 @@ from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
 from . import _pair_sockets
 from ._shm_allreduce import ShmAllreduce
 from ._shm_barrier import ShmBarrier
-from .base import Backend, BackendConfig, NativeCollectives, Work, is_object_tag
+from .base import TAG_KIND_OBJECT, TAG_KIND_SHIFT, Backend, BackendConfig, NativeCollectives, Work, is_object_tag
 
 COLLECTIVE_WAITERS = 16  # threads that wait on collectives and user p2p calls, per group
 OBJECT_WAITERS = 32  # threads that wait on rdt object sends and receives, per group: never starve collectives
@@ -288,35 +288,31 @@ class GlooBackend(Backend):
         return self._p2p("recv", self.pg.recv, tensor, peer, tag)
 
     def send_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
-        """Send and wait in the caller's thread with no Work wrapper (where an abort can wake the wait)."""
-        if self._pairs is None or is_object_tag(tag):
+        """Send and wait in the caller's thread, in Gloo itself, where an abort can wake the wait (direct pairs)."""
+        if self._pairs is None or (tag >> TAG_KIND_SHIFT) == TAG_KIND_OBJECT or self._aborted.is_set():
             self._p2p("send", self.pg.send, tensor, peer, tag).wait(timeout)
-        else:
-            self._p2p_now("send", self.pg.send, tensor, peer, tag, timeout)
+            return
+        try:  # written out, not shared with recv_wait: a frame costs microseconds on this path
+            self.pg.send([tensor], peer, tag).wait(timedelta(seconds=max(timeout, 0.001)))
+        except RuntimeError as e:
+            raise self._p2p_error("send", e, peer, timeout) from e
 
     def recv_wait(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
         """Receive and wait in the caller's thread (see :meth:`send_wait`)."""
-        if self._pairs is None or is_object_tag(tag):
+        if self._pairs is None or (tag >> TAG_KIND_SHIFT) == TAG_KIND_OBJECT or self._aborted.is_set():
             self._p2p("recv", self.pg.recv, tensor, peer, tag).wait(timeout)
-        else:
-            self._p2p_now("recv", self.pg.recv, tensor, peer, tag, timeout)
-
-    def _p2p_now(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
-        """Post and wait in Gloo itself: what ``_p2p(...).wait()`` does on direct pairs, minus ~10 us of wrapping."""
-        aborted = self._aborted
-        if aborted.is_set():
-            raise GroupDestroyedError(f"{op} refused: the group was aborted", peer=peer, op=op,
-                                      hint="destroy the group and create it again")
-        posted = False
+            return
         try:
-            work = post([tensor], peer, tag)
-            posted = True
-            work.wait(timedelta(seconds=max(timeout, 0.001)))
+            self.pg.recv([tensor], peer, tag).wait(timedelta(seconds=max(timeout, 0.001)))
         except RuntimeError as e:
-            if posted and aborted.is_set():  # the abort shut the pairs down: report the abort
-                raise GroupDestroyedError(f"{op} ended: the group was aborted", peer=peer, op=op,
-                                          hint="destroy the group and create it again") from e
-            raise classify(e, op=op, peer=peer, timeout=timeout if posted else self.config.timeout) from e
+            raise self._p2p_error("recv", e, peer, timeout) from e
+
+    def _p2p_error(self, op: str, e: RuntimeError, peer: int, timeout: float) -> Exception:
+        """The typed error of a failed direct send/recv: an abort shuts the pairs down, and is reported as such."""
+        if self._aborted.is_set():
+            return GroupDestroyedError(f"{op} ended: the group was aborted", peer=peer, op=op,
+                                       hint="destroy the group and create it again")
+        return classify(e, op=op, peer=peer, timeout=timeout)
 
     def _p2p(self, op: str, post: Any, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Post a send/recv; a pair already closed (peer gone, group aborted) raises a typed error at once."""
