@@ -22,10 +22,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from rdt_transports import _cma as _low
+from rdt_transports._cma import CmaDenied, CmaError
 from rdt_transports._proc import pid_alive
 
 MAGIC = b"rdtcma1\0"
@@ -33,30 +35,8 @@ GUARD_BYTES = len(MAGIC) + 16
 _PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs more than it saves)
 
 
-class _IoVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-def _load() -> Optional[ctypes._CFuncPtr]:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_READV = _load()
-
-
-class CmaError(OSError):
-    """A cross-memory read failed; the caller falls back to a path that asks the producer."""
-
-
-class CmaDenied(CmaError):
-    """The kernel forbids reading that process (ptrace rules, seccomp, no syscall): do not try it again."""
+_READV = _low.READV
+_IoVec = _low._IoVec
 
 
 @dataclass(frozen=True)
@@ -96,39 +76,12 @@ def clear(guard: np.ndarray) -> None:
 
 
 def _read_once(pid: int, local: int, remote: int, n: int) -> None:
-    assert _READV is not None
-    done = 0
-    while done < n:
-        lv = _IoVec(local + done, n - done)
-        rv = _IoVec(remote + done, n - done)
-        got = _READV(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EPERM, errno.EACCES, errno.ENOSYS):
-                raise CmaDenied(err, f"process_vm_readv on pid {pid}: {os.strerror(err)}")
-            raise CmaError(err, f"process_vm_readv on pid {pid}: {os.strerror(err)}")
-        if got == 0:
-            raise CmaError(errno.EFAULT, f"process_vm_readv on pid {pid}: no bytes at {remote + done:#x}")
-        done += got
-
-
-_IOV_MAX = 1024  # iovecs per process_vm_readv (Linux's UIO_MAXIOV)
+    _low._once(_low.READV, pid, local, remote, n)
 
 
 def _read_batched(pid: int, parts: Sequence[Tuple[int, int, int]]) -> None:
     """Many (local, remote, n) ranges in one process_vm_readv per 1024: one syscall, not one per buffer."""
-    assert _READV is not None
-    for s in range(0, len(parts), _IOV_MAX):
-        chunk = parts[s:s + _IOV_MAX]
-        k = len(chunk)
-        vec = np.array(chunk, dtype=np.uint64)  # columns: local, remote, n
-        lv = np.ascontiguousarray(vec[:, [0, 2]])  # struct iovec {base, len}, as two uint64 per entry
-        rv = np.ascontiguousarray(vec[:, [1, 2]])
-        if _READV(pid, lv.ctypes.data_as(ctypes.POINTER(_IoVec)), k, rv.ctypes.data_as(ctypes.POINTER(_IoVec)), k,
-                  0) == int(vec[:, 2].sum()):
-            continue
-        for local, remote, n in chunk:  # an error or a short read: redo range by range (raises the right error)
-            _read_once(pid, local, remote, n)
+    _low.batched(_READV, pid, parts)
 
 
 def gather(parts: Sequence[Tuple[int, int, int]]) -> None:
@@ -142,26 +95,6 @@ def gather(parts: Sequence[Tuple[int, int, int]]) -> None:
             pass
     for dest, src, n in parts:
         ctypes.memmove(dest, src, n)
-
-
-def split_even(parts: Sequence[Tuple[int, int, int]], k: int) -> List[List[Tuple[int, int, int]]]:
-    """(dest, src, n) ranges cut into at most ``k`` lists of about equal bytes, in order (a range that straddles
-    a boundary is split there), so that ``k`` threads finish together whatever the sizes of the ranges."""
-    total = sum(n for _, _, n in parts)
-    share = max(-(-total // max(k, 1)), 1)
-    out: List[List[Tuple[int, int, int]]] = [[]]
-    room = share
-    for dest, src, n in parts:
-        off = 0
-        while off < n:
-            if room == 0:
-                out.append([])
-                room = share
-            take = min(n - off, room)
-            out[-1].append((dest + off, src + off, take))
-            off += take
-            room -= take
-    return [s for s in out if s]
 
 
 class _DeniedPids:
@@ -245,21 +178,7 @@ class CmaReader:
         if self.threads < 2 or total < _PARALLEL_MIN:
             fn(parts)
             return
-        shares = split_even(parts, self.threads)
-        pool = self._executor()
-        futures = [pool.submit(fn, s) for s in shares[1:]]
-        first: Optional[BaseException] = None
-        try:
-            fn(shares[0])
-        except BaseException as e:  # still wait for the others: they write into our buffers
-            first = e
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
+        _low.spread(parts, fn, self.threads, self._executor())
 
     def close(self) -> None:
         """Let the reader threads go (a later read starts them again)."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rdt import _cma
+from rdt_transports import _cma as low_cma
 
 pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")
 
@@ -24,6 +25,7 @@ _HOLDER = r"""
 import json, sys
 import torch
 from rdt import _cma
+from rdt_transports import _cma as low_cma
 obj = bytes(range(16))
 big = (torch.arange(%d, dtype=torch.int64) %% 251).to(torch.uint8)
 small = torch.arange(100, dtype=torch.uint8)
@@ -110,6 +112,7 @@ def test_dead_process_fails_cleanly() -> None:
 _DENIED = r"""
 import os, sys, torch
 from rdt import _cma
+from rdt_transports import _cma as low_cma
 target = int(sys.argv[1])
 if os.getuid() == 0:
     os.setgid(65534); os.setuid(65534)  # another user, without CAP_SYS_PTRACE
@@ -164,7 +167,7 @@ def test_split_even_keeps_every_byte_in_order(k):
         n = rng.choice([1, 17, 4096, 1 << 20, 37 << 20])
         parts.append((at, 10 ** 12 + at, n))
         at += n
-    shares = _cma.split_even(parts, k)
+    shares = low_cma.split_even(parts, k)
     total = sum(n for *_, n in parts)
     assert 1 <= len(shares) <= k
     flat = [p for s in shares for p in s]
