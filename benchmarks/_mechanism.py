@@ -48,7 +48,8 @@ def describe_pair(a: Optional[str], b: Optional[str]) -> str:
 def rdt_collective_mechanism(group_name: str, op: str, nbytes: int, algorithm: str) -> str:
     """In a group member: the path rdt_transports takes for ``op`` of ``nbytes`` in ``group_name``.
 
-    p2p: the backend's name, with the transport it chose where it tells ('ucx (shm/cma)', 'ucx (tcp)').
+    p2p: the backend's name, with the transport it chose where it tells ('ucx (shm/cma)', 'ucx (tcp)'), per size
+    where that differs ('nixl (rdt cma x2)': rdt copied the bytes itself).
     allreduce: 'shm-allreduce' when the Gloo backend's same-node shared-memory allreduce is set up (and the size
     is at or above its threshold), the backend's name for another native allreduce, and '<backend>-p2p/<algorithm>'
     for an algorithm over point to point (``auto`` resolved as the group resolves it).
@@ -58,8 +59,9 @@ def rdt_collective_mechanism(group_name: str, op: str, nbytes: int, algorithm: s
     group = rt.get_group(group_name)
     backend = group.backend_name
     if op == "p2p":
+        by_size = getattr(group.backend, "p2p_label", None)  # nixl: 'rdt cma x2' for large same-node messages
         transports = getattr(group.backend, "transports", None)  # ucx: what UCX chose, e.g. 'ucx (shm/cma)'
-        chosen = transports() if callable(transports) else ""
+        chosen = by_size(nbytes) if callable(by_size) else transports() if callable(transports) else ""
         return f"{backend} ({chosen})" if chosen else backend
     algo = algorithm
     if algo == "auto":

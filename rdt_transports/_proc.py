@@ -41,6 +41,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def start_time(pid: int) -> Optional[int]:
+    """When ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22), or None if it does not run: with
+    the pid, names one process for good (a reused pid has another start time)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------------- owner locks
 # A pid says nothing across pid namespaces that share /dev/shm (containers with host IPC): another process may
 # have the same number, or the owner may have none in ours. So each process that puts files in /dev/shm first

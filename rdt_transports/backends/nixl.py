@@ -72,6 +72,7 @@ import os
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -86,8 +87,8 @@ from ..errors import (
     PeerUnavailableError,
     TensorMismatchError,
 )
-from .. import _spin
-from .._proc import pid_alive, ray_node_id
+from .. import _cma, _spin
+from .._proc import pid_alive, ray_node_id, start_time
 from ..types import Capabilities
 from .base import Backend, BackendConfig, Work
 
@@ -116,6 +117,11 @@ _MEM_NAMES = {_MEM_DRAM: "DRAM", _MEM_VRAM: "VRAM"}
 # WRITE's set-up) does not. Interleaved in the same actors (back to back / after a barrier): at 64 KiB the WRITE
 # was as fast (378 / 382 us against 388 / 400) for less CPU; at 32 KiB EAGER was faster (261 / 234 against 316 / 339).
 EAGER_MAX_BYTES = 32 << 10
+# From this size a same-node CPU send is copied by rdt straight into the receiver's tensor with process_vm_writev
+# on CMA_THREADS threads (UCX's own CMA copy runs on one: 6.1 GB/s here, two threads 10.8 GB/s); below it the
+# split costs more than it saves. RDT_NIXL_CMA=0 keeps every byte on NIXL.
+CMA_MIN_BYTES = 16 << 20
+CMA_THREADS = max(1, min(4, os.cpu_count() or 1))
 EAGER_WINDOW = 64  # unacknowledged EAGER messages per peer; past it a send waits for the receiver's RTR
 # Stable dtype codes (index in this tuple); names missing from this torch build are skipped.
 _DTYPE_NAMES = (
@@ -136,20 +142,22 @@ _WAIT_POLL_BUSY_S = 20e-6
 _WAIT_MAX_SLEEP_S = 1e-3  # sleeps double from 20 us to this (and to at most a 16th of the wait so far)
 
 
-def _same_node_pids(config: BackendConfig) -> Optional[Dict[int, int]]:
-    """Every rank's pid when all ranks run on this Ray node and each pid is alive as seen from here (one pid
-    namespace), else None. Exchanged through the rendezvous before the agent exists (its UCX mode depends on it)."""
+def _same_node_pids(config: BackendConfig) -> Optional[Dict[int, Tuple[int, int]]]:
+    """Every rank's (pid, start time) when all ranks run on this Ray node and each pid runs, with that start time,
+    as seen from here (one pid namespace), else None. Each rank publishes its own through the rendezvous before
+    the agent exists (its UCX mode depends on it); the start time tells a reused pid from the peer."""
     node = ray_node_id()
     rdv = config.rendezvous
-    rdv.put(f"nixl/node/{config.rank}", f"{node}|{os.getpid()}".encode())
-    ranks: Dict[int, Tuple[str, int]] = {}
+    rdv.put(f"nixl/node/{config.rank}", f"{node}|{os.getpid()}|{start_time(os.getpid())}".encode())
+    ranks: Dict[int, Tuple[str, int, str]] = {}
     for r in range(config.world_size):
         raw = rdv.get(f"nixl/node/{r}", config.timeout, what=f"rank {r}'s node").decode()
-        peer_node, _, pid = raw.partition("|")
-        ranks[r] = (peer_node, int(pid))
-    if not node or any(n != node for n, _ in ranks.values()) or not all(pid_alive(p) for _, p in ranks.values()):
+        peer_node, pid, start = (raw.split("|") + ["", ""])[:3]
+        ranks[r] = (peer_node, int(pid), start)
+    if not node or any(n != node or not st.isdigit() or str(start_time(p)) != st or not pid_alive(p)
+                       for n, p, st in ranks.values()):
         return None
-    return {r: pid for r, (_, pid) in ranks.items()}
+    return {r: (pid, int(st)) for r, (_, pid, st) in ranks.items()}
 
 
 def _poll_window(now: float) -> float:
@@ -400,7 +408,12 @@ class NixlBackend(Backend):
         self.stats: Dict[str, int] = collections.Counter()  # dropped_* counters, for diagnostics and tests
         if progress_thread is None:
             progress_thread = os.environ.get("RDT_NIXL_PROGRESS_THREAD", "0") == "1"
-        self._peer_pids = _same_node_pids(config)  # rank -> pid when every rank runs here, else None
+        same_node = _same_node_pids(config)
+        self._peer_pids = {r: p for r, (p, _) in same_node.items()} if same_node else None  # every rank here
+        self._peer_starts = {r: st for r, (_, st) in same_node.items()} if same_node else {}
+        self._cma = (self._peer_pids is not None and _cma.WRITEV is not None and CMA_THREADS > 1
+                     and os.environ.get("RDT_NIXL_CMA", "1") != "0")  # False for good once the kernel refuses
+        self._cma_pool: Optional[ThreadPoolExecutor] = None
         self.ucx_error_mode = os.environ.get("RDT_NIXL_UCX_ERROR_MODE") or (
             "none" if self._peer_pids is not None else "peer")
         if self.ucx_error_mode not in ("none", "peer"):
@@ -727,6 +740,9 @@ class NixlBackend(Backend):
             self._send_eager(work)
             return
         done = self._pack(_KIND_DONE, peer, work.tag, work.nbytes, work.dtype_code)
+        if self._cma_path(work.nbytes) and rtr.memtype == _MEM_DRAM and work.tensor.is_cpu and self._write_cma(
+                work, rtr, done):
+            return
         try:
             if work.nbytes == 0:
                 self._agent.send_notif(self._names[peer], done)
@@ -750,6 +766,47 @@ class NixlBackend(Backend):
         elif state == "DONE":
             self._wired.add(peer)
             self._finish(work, None)
+
+    def _cma_path(self, nbytes: int) -> bool:
+        """Whether a CPU send of ``nbytes`` to a same-node peer goes by rdt's multi-threaded CMA write."""
+        return self._cma and nbytes >= CMA_MIN_BYTES
+
+    def _write_cma(self, work: _NixlWork, rtr: _Msg, done: bytes) -> bool:
+        """Copy the data into the receiver's tensor (the address its authenticated RTR gave) with process_vm_writev
+        on CMA_THREADS threads, then send DONE. False (nothing else done) when the kernel refuses: use the WRITE."""
+        assert self._peer_pids is not None
+        pid = self._peer_pids[work.peer]
+        if start_time(pid) != self._peer_starts.get(work.peer):  # never write into a process that reuses its pid
+            self._finish(work, PeerUnavailableError(
+                f"rank {work.peer}'s process (pid {pid}) is gone: tag {work.tag} was not sent",
+                **self._ctx(work.peer, "send"), hint="the peer died; re-create the group with live members"))
+            return True
+        if self._cma_pool is None:
+            self._cma_pool = ThreadPoolExecutor(CMA_THREADS - 1, thread_name_prefix="rdt-nixl-cma")
+        work.phase = "copying into the receiver's tensor (process_vm_writev)"
+        try:
+            _cma.spread([(work.tensor.data_ptr(), rtr.addr, work.nbytes)],
+                        lambda part: _cma.batched(_cma.WRITEV, pid, part), CMA_THREADS, self._cma_pool)
+        except _cma.CmaDenied as e:
+            self._cma = False
+            logger.info("nixl: group=%s rank=%d: no same-node CMA writes (%s); NIXL WRITEs instead",
+                        self.config.group_name, self.config.rank, e)
+            return False
+        except _cma.CmaError as e:
+            self._finish(work, PeerUnavailableError(
+                f"could not copy the data of tag {work.tag} into rank {work.peer}'s tensor: {e}",
+                **self._ctx(work.peer, "send"), hint="the peer may have died or shut down; re-create the group"))
+            return True
+        self.stats["cma_writes"] += 1
+        try:
+            self._agent.send_notif(self._names[work.peer], done)
+        except Exception as e:
+            self._finish(work, PeerUnavailableError(
+                f"could not send the completion of tag {work.tag}: {type(e).__name__}: {e}",
+                **self._ctx(work.peer, "send"), hint="the peer's process may have died; re-create the group"))
+            return True
+        self._finish_after_notif(work, None)
+        return True
 
     def _write_handle(self, work: _NixlWork, rtr: _Msg, done: bytes) -> Any:
         """A WRITE handle from ``work``'s tensor into the receiver's buffer: a cached idle one, else a new one
@@ -941,10 +998,19 @@ class NixlBackend(Backend):
         them)."""
         return "shm/cma" if self.ucx_error_mode == "none" else ""
 
+    def p2p_label(self, nbytes: int) -> str:
+        """What carries a CPU message of ``nbytes``, for labels: rdt's CMA copy from CMA_MIN_BYTES on a node,
+        else :meth:`transports`."""
+        if self._cma_path(nbytes):
+            return f"rdt cma x{CMA_THREADS}"
+        return self.transports()
+
     def describe(self) -> Dict[str, Any]:
-        """The UCX error-handling mode chosen for this group and whether peers' pids are watched."""
+        """The UCX error-handling mode chosen for this group, whether peers' pids are watched, and from what size
+        rdt copies same-node CPU messages itself."""
         return {"backend": "nixl", "ucx_error_handling_mode": self.ucx_error_mode,
-                "same_node": self._peer_pids is not None, "transports": self.transports() or "ucx"}
+                "same_node": self._peer_pids is not None, "transports": self.transports() or "ucx",
+                "cma_write_min_bytes": CMA_MIN_BYTES if self._cma else None}
 
     # ------------------------------------------------------------------ lifecycle
     def abort(self) -> None:
@@ -975,6 +1041,9 @@ class NixlBackend(Backend):
             self._peer_md.clear()
             self._remote_regs.clear()
             self._agent = None
+            pool, self._cma_pool = self._cma_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     @property
     def registration_cache(self) -> _RegistrationCache:

@@ -110,16 +110,63 @@ def test_both_directions_at_once(pair) -> None:
     assert torch.equal(y1, x0) and torch.equal(y0, x1)
 
 
-def test_64mib_and_cache_reuse(pair) -> None:
+@pytest.mark.parametrize("cma", [True, False], ids=["rdt-cma", "nixl-write"])
+def test_64mib_and_cache_reuse(monkeypatch, cma) -> None:
+    """64 MiB twice: same-node, rdt copies it with process_vm_writev on several threads (the sender registers
+    nothing); with RDT_NIXL_CMA=0 NIXL WRITEs it. The receiver's registration is cached either way."""
+    from rdt_transports.backends import nixl as nixl_mod
+
+    monkeypatch.setenv("RDT_NIXL_CMA", "1" if cma else "0")
+    b0, b1 = make_pair()
+    try:
+        assert b0.p2p_label(64 << 20) == (f"rdt cma x{nixl_mod.CMA_THREADS}" if cma else "shm/cma")
+        assert b0.p2p_label(1 << 20) == "shm/cma"
+        src = torch.randint(0, 1 << 30, (16 << 20,), dtype=torch.int32)  # 64 MiB
+        dst = torch.zeros_like(src)
+        for tag in (0, 1):
+            dst.zero_()
+            run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
+            assert torch.equal(src, dst)
+        assert b1.registration_cache.registrations == 1 and b1.registration_cache.hits == 1
+        assert b0.stats["cma_writes"] == (2 if cma else 0)
+        assert b0.registration_cache.registrations == (0 if cma else 1)
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+def test_a_reused_peer_pid_is_never_written_into(pair) -> None:
+    """rdt writes into a same-node peer only while its pid still names the process that joined the group (same
+    start time): a pid that now names another process fails the send with PeerUnavailableError, nothing written."""
+    import subprocess
+    import sys
+
     b0, b1 = pair
-    src = torch.randint(0, 1 << 30, (16 << 20,), dtype=torch.int32)  # 64 MiB
-    dst = torch.zeros_like(src)
-    for tag in (0, 1):
-        dst.zero_()
-        run_both(lambda: b0.isend(src, 1, tag).wait(TIMEOUT), lambda: b1.irecv(dst, 0, tag).wait(TIMEOUT))
-        assert torch.equal(src, dst)
-    assert b1.registration_cache.registrations == 1 and b1.registration_cache.hits == 1
-    assert b0.registration_cache.registrations == 1
+    other = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        assert b0._peer_pids is not None
+        b0._peer_pids[1] = other.pid  # as if rank 1 had died and its pid gone to this process
+        src = torch.ones(8 << 20)  # 32 MiB: the CMA path
+        dst = torch.zeros_like(src)
+        with pytest.raises(PeerUnavailableError, match="is gone"):
+            run_both(lambda: b0.isend(src, 1, 0).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 0).wait(3.0))
+        assert b0.stats["cma_writes"] == 0 and not bool(dst.any())
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+
+
+def test_large_size_mismatch_refused_before_cma(pair) -> None:
+    """Above the CMA threshold a mismatch still fails both sides and leaves the receive tensor untouched."""
+    b0, b1 = pair
+    src, dst = torch.ones(8 << 20), torch.full((9 << 20,), 7.0)
+    m0, m1 = run_both(lambda: _expect_mismatch(lambda: b0.isend(src, 1, 5).wait(TIMEOUT)),
+                      lambda: _expect_mismatch(lambda: b1.irecv(dst, 0, 5).wait(TIMEOUT)))
+    for m in (m0, m1):
+        assert str(32 << 20) in m and str(36 << 20) in m, m
+    assert b0.stats["cma_writes"] == 0 and bool((dst == 7.0).all())
 
 
 def test_registration_not_reused_after_free(pair) -> None:
