@@ -139,6 +139,18 @@ def test_sender_changes(pair, backend: str) -> None:
     _is_mismatch(sent[1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_changes_after_a_large_agreement(pair, backend: str) -> None:
+    """After a 16 MiB agreement the sender sends another size while the receiver keeps 16 MiB: both raise on that
+    message (Gloo: the receiver's verdict went out before the message), the receiver's tensor untouched."""
+    _require(backend)
+    sent, got = _run(pair, backend, f"chk-sl-{backend}", [LARGE, SMALL], [LARGE, LARGE])
+    assert got[0] == "ok" and sent[0] == "ok", (sent, got)
+    _is_mismatch(got[1], untouched=True)
+    assert len(sent) == 2, sent
+    _is_mismatch(sent[1])
+
+
 def test_gloo_small_mismatch_names_the_earlier_send(pair) -> None:
     """Gloo's sender learns of a small message's mismatch at its next send, which says so and sends nothing."""
     sent, got = _run(pair, "gloo", "chk-late-gloo", [SMALL, SMALL, SMALL], [SMALL, (2048, "float32")])
