@@ -215,7 +215,7 @@ class CheckedP2P:
                 # The usual message, written out (_recv_canary in fewer steps): the data lands in t behind a canary.
                 ptr = t.data_ptr()
                 saved = _string_at(ptr, CANARY)
-                canary = _canaries.getrandbits(CANARY * 8).to_bytes(CANARY, "little")  # _new_canary(), written out
+                canary = _new_canary()
                 _memmove(ptr, canary, CANARY)
                 try:
                     self._b.recv_wait(t, src, _P2P | ((seq << 2) & _PAYLOAD_MASK),
