@@ -36,7 +36,6 @@ _PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs mo
 
 
 _READV = _low.READV
-_IoVec = _low._IoVec
 
 
 @dataclass(frozen=True)
