@@ -237,6 +237,11 @@ class ProgressEngine:
                 self._epoll.close()
                 os.close(self._wake_fd)
                 self._wake_fd = -1
+                # Nothing progresses the worker from here on, so no request can still touch a buffer: drop the
+                # requests and the worker now. Each request holds the worker, and a worker kept until garbage
+                # collection (or interpreter exit) keeps UCX's async thread running into finalization.
+                self._ops, self._background, self._zombies = [], [], []
+                self._worker = None
         return not alive
 
     @property

@@ -65,6 +65,7 @@ import asyncio
 import collections
 import concurrent.futures
 import ctypes
+import gc
 import hashlib
 import hmac
 import logging
@@ -1107,7 +1108,13 @@ class UcxBackend(Backend):
             except Exception as e:
                 logger.debug("ucx shutdown: closing the loop failed: %s", e)
         self._peers.clear()
+        with self._pending_lock:
+            self._pending.clear()  # its operations hold UCX requests, and each request holds the worker
         self._ctx = None
+        # The worker must be freed now, not at a later garbage collection or at interpreter exit, where UCX's
+        # async thread would outlive it: endpoints and requests are still held in reference cycles (failed
+        # peers' errors and cancelled tasks, through their tracebacks' frames), so collect them here.
+        gc.collect()
 
     def _stop_ucx_threads(self, ctx: Any) -> None:
         """Stop the progress pump and ucxx's notifier thread, with bounded waits."""

@@ -484,3 +484,24 @@ def test_sends_answered_out_of_order_keep_their_own_verdicts(pair) -> None:
         for w in recvs + sends:
             w.wait(10)
         assert all(torch.equal(src, dst) for src, dst in zip(srcs, dsts))
+
+
+def test_shutdown_frees_the_ucx_workers_at_once() -> None:
+    """After shutdown() nothing of the group's UCX workers waits for a later garbage collection, or for interpreter
+    exit, where UCX's async thread would outlive them."""
+    def workers() -> int:
+        return sum(type(o).__name__ == "UCXWorker" for o in gc.get_objects())
+
+    gc.collect()
+    before = workers()
+    gc.disable()  # no automatic collection may free what shutdown() left behind
+    try:
+        b0, b1 = _make_pair()
+        assert workers() == before + 2
+        for _ in range(3):
+            _exchange(b0, b1, torch.arange(1000.0), torch.zeros(1000), _tag())
+        b0.shutdown()
+        b1.shutdown()
+        assert workers() == before
+    finally:
+        gc.enable()
