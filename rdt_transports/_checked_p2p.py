@@ -76,7 +76,11 @@ def _trailer(mode: int, desc: Desc) -> torch.Tensor:
 
 
 _canaries = random.Random(os.urandom(32))  # a canary need not be secret, only unlikely in data: no syscall per receive
-_string_at, _memmove = ctypes.string_at, ctypes.memmove
+# A writable memoryview over raw memory, no copy (a private prototype: pythonapi's shared one is left as it is).
+_window_at = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi))
+_PYBUF_WRITE = 0x200
+WINDOWS = 64  # receive tensors whose canary window a group keeps (a pipeline stage reuses a few buffers)
 
 
 def _new_canary() -> bytes:
@@ -118,6 +122,10 @@ class CheckedP2P:
         self._lock = threading.Lock()
         self._send: Dict[int, _Direction] = {}
         self._recv: Dict[int, _Direction] = {}
+        # data_ptr -> memoryview of the CANARY bytes there. Used only for a tensor whose data_ptr is that address
+        # at that moment, so the bytes are that tensor's own, whatever tensor the address belonged to before. Two
+        # ctypes calls per receive cost more than the rest of the canary work, cold after a blocking wait.
+        self._windows: Dict[int, memoryview] = {}
 
     def _direction(self, table: Dict[int, _Direction], peer: int) -> _Direction:
         with self._lock:  # entries are only ever added: callers try a lock-free hit first
@@ -214,19 +222,20 @@ class CheckedP2P:
             if a == mine and CANARY <= mine[0] < ACK_NOW_BYTES and t.is_cpu:
                 # The usual message, written out (_recv_canary in fewer steps): the data lands in t behind a canary.
                 ptr = t.data_ptr()
-                saved = _string_at(ptr, CANARY)
+                w = self._windows.get(ptr) or self._window(ptr)
+                saved = bytes(w)
                 canary = _new_canary()
-                _memmove(ptr, canary, CANARY)
+                w[:] = canary
                 try:
                     self._b.recv_wait(t, src, _P2P | ((seq << 2) & _PAYLOAD_MASK),
                                       max(deadline - time.monotonic(), 1e-3))
                 except BaseException:
-                    if _string_at(ptr, CANARY) == canary:
-                        _memmove(ptr, saved, CANARY)
+                    if w == canary:
+                        w[:] = saved
                     raise
-                if _string_at(ptr, CANARY) != canary:
+                if w != canary:
                     return
-                _memmove(ptr, saved, CANARY)  # a SLOW sender's empty message: its trailer follows
+                w[:] = saved  # a SLOW sender's empty message: its trailer follows
                 theirs = self._read_trailer(src, seq, deadline)
             elif a is None:  # nothing agreed yet: the sender is SLOW for certain
                 self._b.irecv(torch.empty(0, dtype=torch.uint8), src, self._tag(seq, _D)).wait(self._left(deadline))
@@ -237,6 +246,13 @@ class CheckedP2P:
                 theirs = self._recv_canary(t, src, seq, mine, a, deadline)
             if theirs is not None:
                 self._verdict(t, src, seq, mine, theirs, d, deadline)
+
+    def _window(self, ptr: int) -> memoryview:
+        """A writable view of the CANARY bytes at ``ptr`` (kept for the next receives into the same tensor)."""
+        if len(self._windows) >= WINDOWS:
+            self._windows.clear()
+        w = self._windows[ptr] = _window_at(ptr, CANARY, _PYBUF_WRITE)
+        return w
 
     def _read_trailer(self, src: int, seq: int, deadline: float) -> Desc:
         trailer = torch.zeros(3, dtype=torch.int64)

@@ -95,6 +95,17 @@ def test_shapes_both_sides_change_are_not_errors(pair, backend: str) -> None:
     assert sent == ["ok"] * len(steps) and got == ["ok"] * len(steps), (sent, got)
 
 
+def test_gloo_many_fresh_receive_tensors_and_size_changes(pair) -> None:
+    """Gloo's receiver keeps a canary window per receive address: 300 receives into fresh tensors (freed addresses
+    come back, and more addresses than it keeps windows for), the size changing twice, all arrive intact."""
+    from rdt_transports._checked_p2p import WINDOWS
+
+    steps = [SMALL] * 100 + [(16384, "float32")] * 100 + [(512, "float64")] * 100
+    assert len(steps) > 2 * WINDOWS
+    sent, got = _run(pair, "gloo", "chk-fresh-gloo", steps, steps)
+    assert sent == ["ok"] * len(steps) and got == ["ok"] * len(steps), (sent[-3:], got[-3:])
+
+
 def _is_mismatch(entry: Any, *, fast: bool = True, untouched: Optional[bool] = None) -> str:
     assert isinstance(entry, tuple) and entry[0] == "TensorMismatchError", entry
     assert "Fix:" in entry[1], entry[1]
