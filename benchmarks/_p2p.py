@@ -24,6 +24,8 @@ MODES: Tuple[str, ...] = ("back-to-back", "barrier")
 WORLD_SIZE = 2
 BURST_BYTES = 32 << 20  # a back-to-back sample moves about this much (2 to 8 transfers)
 MAX_ROUNDS = 200  # small sizes: a round takes milliseconds, and 50 rounds left medians ~5 % apart between runs
+MIN_ROUNDS = 24  # large sizes: 11 to 16 rounds left Gloo-vs-Gloo medians 0.90-1.07x apart between runs
+BUDGET_SCALE = 4  # p2p rounds move 4x the suite's byte budget per size: 64 rounds at 16 MiB, where 16 were too few
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,13 @@ def burst_for(nbytes: int, quick: bool) -> int:
 
 
 def rounds_for(config: Any, nbytes: int) -> Tuple[int, int]:
-    """(warmup, timed rounds): the suite's iterations, raised up to MAX_ROUNDS where its byte budget allows."""
+    """(warmup, timed rounds): the suite's iterations, raised to at least MIN_ROUNDS and up to MAX_ROUNDS where
+    BUDGET_SCALE x its byte budget allows. A ratio of two medians of a bimodal sample (Gloo here: ~3.5 and ~5 ms
+    at 16 MiB) needs tens of rounds to stop flipping between runs."""
     warmup, iters = config.iterations(nbytes)
     if config.quick or config.iters:
         return warmup, iters
-    return warmup, max(iters, min(MAX_ROUNDS, config.bytes_budget // max(nbytes, 1)))
+    return warmup, max(iters, MIN_ROUNDS, min(MAX_ROUNDS, BUDGET_SCALE * config.bytes_budget // max(nbytes, 1)))
 
 
 def _ops(lib: Lib, rank: int, t: Any, timeout: float) -> Tuple[Callable[[], None], Callable[[], None]]:
