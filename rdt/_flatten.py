@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+from operator import attrgetter, itemgetter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -22,13 +23,14 @@ class Flattened:
     """Producer-side result of flattening: skeleton bytes, leaf specs, and the byte buffers to move."""
 
     def __init__(self, skeleton: bytes, specs: SpecTable, spans: List[Tuple[torch.Tensor, int, int]],
-                 leaves: List[Any], table: BufferTable) -> None:
+                 leaves: List[Any], table: BufferTable, ranges: Optional[List[Tuple[int, int]]] = None) -> None:
         self.skeleton = skeleton
         self.specs = specs
         self.leaves = leaves  # the original leaf objects, for passing back to the producer
         self.table = table  # the buffers' sizes and devices, as ObjectMeta carries them
         self._spans = spans  # per buffer: (a tensor on its storage, first byte, end byte)
         self._buffers: Optional[List[torch.Tensor]] = None
+        self._ranges = ranges
 
     @property
     def buffers(self) -> List[torch.Tensor]:
@@ -65,6 +67,8 @@ class Flattened:
     @property
     def ranges(self) -> List[Tuple[int, int]]:
         """Per buffer: (address, bytes), without making the buffers."""
+        if self._ranges is not None:
+            return self._ranges
         return [(owner.untyped_storage().data_ptr() + lo, hi - lo) for owner, lo, hi in self._spans]
 
     @property
@@ -123,7 +127,18 @@ class _PlainPickler(pickle.Pickler):
         self._found = found
 
     def persistent_id(self, obj: Any) -> Optional[int]:  # noqa: D401 - pickle hook
-        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+        t = type(obj)
+        if t is torch.Tensor:  # _Collector.add written out: three frames per leaf cost more than its work
+            found = self._found
+            idx = found.by_id.get(id(obj))
+            if idx is None:
+                if obj.layout != torch.strided or obj.is_nested:
+                    return found.add(obj)  # raises the typed error
+                idx = found.by_id[id(obj)] = len(found.leaves)
+                found.leaves.append(obj)
+                found.tensors.append((obj, KIND_TORCH))
+            return idx
+        if t is torch.nn.Parameter:
             return self._found.add(obj)
         return None
 
@@ -149,17 +164,17 @@ class _Collector:
     def __init__(self) -> None:
         self.leaves: List[Any] = []
         self.tensors: List[Tuple[torch.Tensor, int]] = []
-        self._by_id: Dict[int, int] = {}
+        self.by_id: Dict[int, int] = {}
 
     def add(self, obj: Any) -> Optional[int]:
-        idx = self._by_id.get(id(obj))
+        idx = self.by_id.get(id(obj))
         if idx is not None:
             return idx
         conv = _to_torch(obj)
         if conv is None:
             return None
         idx = len(self.leaves)
-        self._by_id[id(obj)] = idx
+        self.by_id[id(obj)] = idx
         self.leaves.append(obj)
         self.tensors.append(conv)
         return idx
@@ -187,9 +202,46 @@ def flatten(value: Any) -> Flattened:
     return _finish(out.getvalue(), found)
 
 
+_T = torch.Tensor
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_DTYPE, _SHAPE, _NBYTES, _IS_CPU = attrgetter("dtype"), attrgetter("shape"), attrgetter("nbytes"), attrgetter("is_cpu")
+SEPARATE_MIN = 16  # leaves from which the map() pass pays for its checks
+
+
+def _finish_separate(skeleton: bytes, found: _Collector) -> Optional[Flattened]:
+    """The usual many-tensor value (a state dict): plain CPU tensors, each contiguous and alone on its storage
+    from the storage's first byte, so each is its own buffer. Gathered with ``map`` over torch's C methods: 1.0
+    against 2.3 ms for 1 000 leaves in :func:`_finish`. None: not this case."""
+    pairs = found.tensors
+    n = len(pairs)
+    if n < SEPARATE_MIN or any(map(_SECOND, pairs)):  # a numpy / Parameter / cupy leaf: the general path
+        return None
+    ts = list(map(_FIRST, pairs))
+    if not all(map(_IS_CPU, ts)) or any(map(_T.storage_offset, ts)) or not all(map(_T.is_contiguous, ts)):
+        return None
+    nbytes = list(map(_NBYTES, ts))
+    ptrs = list(map(_T.data_ptr, ts))  # each leaf starts its storage: its storage's address
+    if not all(nbytes) or len(set(ptrs)) != n:
+        return None  # an empty leaf, or two leaves on one storage (views, tied weights)
+    each = list(map(_DTYPE, ts))
+    names: Dict[torch.dtype, int] = {}
+    if len(set(each)) == 1:  # one dtype, as a model's weights usually are
+        names[each[0]] = 0
+        dtypes = [0] * n
+    else:
+        dtypes = [names.setdefault(d, len(names)) for d in each]
+    specs = SpecTable([_dtype_name(d) for d in names], list(range(n)), dtypes, [KIND_TORCH] * n, [0] * n,
+                      list(map(_SHAPE, ts)), list(map(_T.stride, ts)))
+    return Flattened(skeleton, specs, list(zip(ts, [0] * n, nbytes)), found.leaves, BufferTable(nbytes, ["cpu"] * n),
+                     list(zip(ptrs, nbytes)))
+
+
 def _finish(skeleton: bytes, found: _Collector) -> Flattened:
     """Buffers and specs for the tensors ``found`` while pickling ``skeleton``: one pass over the leaves, then one
     over the storages (a state dict's leaf costs a few attribute reads: no per-leaf tuples or device strings)."""
+    fast = _finish_separate(skeleton, found)
+    if fast is not None:
+        return fast
     names: Dict[torch.dtype, int] = {}
     spans: Dict[Any, List[Any]] = {}  # storage -> [min byte, max byte, a tensor on it]
     tensors = found.tensors

@@ -3,6 +3,7 @@ pickling unchanged, and rebuild leaves that are views of the buffers they were g
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import torch
@@ -101,3 +102,62 @@ def test_packed_staging_holds_each_buffer_at_its_block_offset_and_zeros_between(
     for t, o in zip(leaves, offsets):
         expect[o:o + t.numel()] = t
     assert torch.equal(staging, expect)  # the data where the consumer's block has it, and no stale byte elsewhere
+
+
+def _general(value):
+    """flatten() forced onto the general per-leaf pass."""
+    import rdt._flatten as F
+
+    keep = F.SEPARATE_MIN
+    F.SEPARATE_MIN = 1 << 30
+    try:
+        return flatten(value)
+    finally:
+        F.SEPARATE_MIN = keep
+
+
+def _same(a, b) -> None:
+    assert pickle.dumps(a.specs) == pickle.dumps(b.specs)
+    assert pickle.dumps(a.table) == pickle.dumps(b.table)
+    assert a.ranges == b.ranges and a.skeleton == b.skeleton
+    assert [(lo, hi) for _, lo, hi in a.spans] == [(lo, hi) for _, lo, hi in b.spans]
+
+
+def test_separate_leaves_take_the_map_pass_and_match_the_general_pass():
+    """A state dict of separate contiguous CPU tensors is flattened by map() over torch's methods; the result is
+    the general pass's, byte for byte, with one or several dtypes and any shapes."""
+    import rdt._flatten as F
+
+    one = {f"layers.{i}.w": torch.full((4, 8 + i), float(i)) for i in range(40)}
+    mixed = [torch.full((i + 1,), i, dtype=(torch.bfloat16, torch.float32, torch.int64)[i % 3]) for i in range(40)]
+    tied = mixed + [mixed[5]]  # the same tensor object twice is one leaf
+    for value in (one, mixed, tied):
+        found = F._Collector()
+        F._PlainPickler(io.BytesIO(), found).dump(value)
+        assert F._finish_separate(b"", found) is not None  # the map pass served it
+        fast = flatten(value)
+        _same(fast, _general(value))
+        back = unflatten(fast.skeleton, fast.specs.rebuild(fast.buffers))
+        pairs = zip(back.values(), value.values()) if isinstance(value, dict) else zip(back, value)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in pairs)
+
+
+def test_leaves_the_map_pass_cannot_take_fall_back_to_the_general_pass():
+    """Views of one storage, an offset view, a non-contiguous leaf, an empty leaf, a Parameter: the general pass
+    (which shares buffers between views and keeps kinds) serves the value, and the result is the same."""
+    import rdt._flatten as F
+
+    base = [torch.arange(64, dtype=torch.float32) + i for i in range(20)]
+    cases = {
+        "views of one storage": base + [base[0][:8]],
+        "offset view": base[1:] + [torch.arange(100.0)[3:50]],
+        "non-contiguous": base[1:] + [torch.ones(8, 8).t()],
+        "empty leaf": base[1:] + [torch.empty(0)],
+        "parameter": base[1:] + [torch.nn.Parameter(torch.ones(3))],
+    }
+    for name, value in cases.items():
+        found = F._Collector()
+        F._PlainPickler(io.BytesIO(), found).dump(value)
+        assert F._finish_separate(b"", found) is None, name
+        _same(flatten(value), _general(value))
+    assert len(flatten(cases["views of one storage"]).spans) == 20  # the view shares its storage's buffer
