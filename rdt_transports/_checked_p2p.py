@@ -105,12 +105,15 @@ def _poke(t: torch.Tensor, data: bytes) -> None:
 class _Direction:
     """One direction of one pair, as one end sees it: a lock, the next message number and the agreement."""
 
-    __slots__ = ("lock", "seq", "agreed")
+    __slots__ = ("lock", "seq", "agreed", "canary")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seq = 0
         self.agreed: Optional[Desc] = None
+        # The receiver's canary on the usual path: random, and private to this end, so no data can carry it (its
+        # bytes never stay in a tensor: they are put back whenever they are not overwritten).
+        self.canary = _new_canary()
 
 
 class CheckedP2P:
@@ -139,13 +142,14 @@ class CheckedP2P:
         return (TAG_KIND_P2P << TAG_KIND_SHIFT) | (((seq << 2) | sub) & _PAYLOAD_MASK)
 
     # ------------------------------------------------------------------ sender
-    def send(self, t: torch.Tensor, dst: int, deadline: float, nbytes: int) -> None:
-        """Send ``t`` (``nbytes`` long, as the caller already knows) to ``dst`` by ``deadline`` (monotonic)."""
+    def send(self, t: torch.Tensor, dst: int, deadline: float, nbytes: int, dtype: Optional[torch.dtype] = None,
+             cpu: Optional[bool] = None) -> None:
+        """Send ``t`` (``nbytes`` long of ``dtype``, as the caller already knows) to ``dst`` by ``deadline``."""
         d = self._send.get(dst) or self._direction(self._send, dst)
         with d.lock:
             seq = d.seq
             d.seq = seq + 1
-            code = _CODES.get(t.dtype)  # describe(t), written out: a frame costs microseconds on this path
+            code = _CODES.get(t.dtype if dtype is None else dtype)  # describe(t), written out (frames cost here)
             mine = (nbytes, code) if code is not None else describe(t)
             try:
                 if mine != d.agreed:
@@ -210,21 +214,23 @@ class CheckedP2P:
         return raw.decode(errors="replace") if raw else None
 
     # ------------------------------------------------------------------ receiver
-    def recv(self, t: torch.Tensor, src: int, deadline: float, nbytes: int) -> None:
-        """Receive into ``t`` (``nbytes`` long) from ``src`` by ``deadline``: all of it, or a typed error."""
+    def recv(self, t: torch.Tensor, src: int, deadline: float, nbytes: int, dtype: Optional[torch.dtype] = None,
+             cpu: Optional[bool] = None) -> None:
+        """Receive into ``t`` (``nbytes`` long of ``dtype``) from ``src`` by ``deadline``: all of it, or a typed
+        error. ``dtype`` and ``cpu`` (is ``t`` on the CPU) spare torch calls when the caller has read them."""
         d = self._recv.get(src) or self._direction(self._recv, src)
         with d.lock:
             seq = d.seq
             d.seq = seq + 1
-            code = _CODES.get(t.dtype)
+            code = _CODES.get(t.dtype if dtype is None else dtype)
             mine = (nbytes, code) if code is not None else describe(t)
             a = d.agreed
-            if a == mine and CANARY <= mine[0] < ACK_NOW_BYTES and t.is_cpu:
+            if a == mine and CANARY <= mine[0] < ACK_NOW_BYTES and (t.is_cpu if cpu is None else cpu):
                 # The usual message, written out (_recv_canary in fewer steps): the data lands in t behind a canary.
                 ptr = t.data_ptr()
                 w = self._windows.get(ptr) or self._window(ptr)
                 saved = bytes(w)
-                canary = _new_canary()
+                canary = d.canary
                 w[:] = canary
                 try:
                     self._b.recv_wait(t, src, _P2P | ((seq << 2) & _PAYLOAD_MASK),
