@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from rdt_transports._memcopy import copy_tensor
+
 HUGE_MIN_BYTES = 4 << 20  # below this, torch's allocator is as good and 2 MiB rounding would waste memory
 _HUGE = 2 << 20
 
@@ -200,7 +202,7 @@ class ParallelCopier:
         """``dst.copy_(src)`` for 1-D contiguous uint8 CPU tensors of equal length."""
         n = src.numel()
         if self.threads < 2 or n < self.MIN_BYTES:
-            dst.copy_(src)
+            copy_tensor(dst, src)
             return
         if self._pool is None:
             with self._lock:
@@ -208,8 +210,8 @@ class ParallelCopier:
                     self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="rdt-copy")
         step = ((n + self.threads - 1) // self.threads + 63) // 64 * 64
         parts = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
-        futures = [self._pool.submit(dst[lo:hi].copy_, src[lo:hi]) for lo, hi in parts[1:]]
+        futures = [self._pool.submit(copy_tensor, dst[lo:hi], src[lo:hi]) for lo, hi in parts[1:]]
         lo, hi = parts[0]
-        dst[lo:hi].copy_(src[lo:hi])
+        copy_tensor(dst[lo:hi], src[lo:hi])
         for f in futures:
             f.result()

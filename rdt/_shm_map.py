@@ -4,7 +4,8 @@ A trainer whose weights live in shared memory (torch's ``share_memory_()``, e.g.
 each storage as an unlinked tmpfs file it keeps open. A consumer that may read the producer's memory (the rule
 ``_cma`` checks) may also open those files through ``/proc/<pid>/fd``. It maps each one once, keeps the mapping
 while it is used (a trainer publishes the same storages every step), and copies from it on every core: one
-user-space copy, no kernel copy per byte range, and no page-table work after the first sync.
+user-space copy with streaming stores (``rdt_transports._memcopy``), no kernel copy per byte range, and no
+page-table work after the first sync.
 
 As for a direct read, the consumer reads the object's guard (``_cma``) after the copy: only a guard that still
 names the object proves the bytes came from the live object. A mapping unused for ``ttl`` seconds, or of a
@@ -24,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rdt_transports._memcopy import copy_parts
 from rdt_transports._proc import pid_alive
 
 Part = Tuple[int, int, int]  # (destination address, source address, bytes)
@@ -130,17 +132,6 @@ def _map_file(pid: int, f: SharedFile) -> _Mapping:
         return _Mapping(addr, f.size, pid)
     finally:
         os.close(fd)
-
-
-def raw(addr: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over ``nbytes`` at ``addr`` (memory someone else keeps alive for the tensor's use)."""
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
-
-
-def copy_parts(parts: Sequence[Part]) -> None:
-    """Copy (dest, src, n) ranges with torch's vectorised copy (the GIL is released while it runs)."""
-    for dest, src, n in parts:
-        raw(dest, n).copy_(raw(src, n))
 
 
 class MapReader:
