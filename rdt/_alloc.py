@@ -24,8 +24,13 @@ import torch
 
 from rdt_transports._memcopy import copy_tensor
 
-HUGE_MIN_BYTES = 4 << 20  # below this, torch's allocator is as good and 2 MiB rounding would waste memory
+# From POOL_MIN_BYTES buffers come from the pool: glibc serves a fresh multi-MiB allocation with fresh pages (a
+# fault per 4 KiB page: +1 ms for a 4 MB landing), a recycled mapping has them already. Below it, torch's
+# allocator reuses its heap. From HUGE_MIN_BYTES sizes round to 2 MiB and ask for huge pages; below, to 64 KiB.
+POOL_MIN_BYTES = 1 << 20
+HUGE_MIN_BYTES = 4 << 20
 _HUGE = 2 << 20
+_SMALL = 64 << 10
 
 
 def _huge_pages_enabled() -> bool:
@@ -44,7 +49,7 @@ _HUGE_PAGES = _huge_pages_enabled()
 
 def _new_mapping(size: int) -> mmap.mmap:
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if _HUGE_PAGES:
+    if _HUGE_PAGES and size >= HUGE_MIN_BYTES:
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # no THP for this mapping: 4 KiB pages, still correct
@@ -85,9 +90,10 @@ class BufferPool:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """An uninitialised CPU uint8 tensor of ``nbytes`` (recycled memory when some fits)."""
-        if nbytes < HUGE_MIN_BYTES:
+        if nbytes < POOL_MIN_BYTES:
             return torch.empty(nbytes, dtype=torch.uint8)
-        size = -(-nbytes // _HUGE) * _HUGE
+        unit = _HUGE if nbytes >= HUGE_MIN_BYTES else _SMALL
+        size = -(-nbytes // unit) * unit
         mm = self._take(size)
         if mm is None:
             mm = _new_mapping(size)

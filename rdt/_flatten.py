@@ -231,7 +231,7 @@ def _finish_separate(skeleton: bytes, found: _Collector) -> Optional[Flattened]:
     else:
         dtypes = [names.setdefault(d, len(names)) for d in each]
     specs = SpecTable([_dtype_name(d) for d in names], list(range(n)), dtypes, [KIND_TORCH] * n, [0] * n,
-                      list(map(_SHAPE, ts)), list(map(_T.stride, ts)))
+                      list(map(_SHAPE, ts)), list(map(_T.stride, ts)), separate=True)
     return Flattened(skeleton, specs, list(zip(ts, [0] * n, nbytes)), found.leaves, BufferTable(nbytes, ["cpu"] * n),
                      list(zip(ptrs, nbytes)))
 

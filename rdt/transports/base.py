@@ -147,7 +147,10 @@ def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.de
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-ALIGN = 64  # where each buffer of a block starts: every dtype's view of it is aligned
+# Where each buffer of a block starts: every dtype's view of it is aligned (the widest element, complex128, is 16
+# bytes; malloc gives the same 16). Tensors whose sizes are multiples of 16 bytes, as a model's are, land back to
+# back, so a many-tensor object's leaves are cut from its block in one call (``SpecTable.rebuild``).
+ALIGN = 16
 
 
 class BlockViews(Sequence[torch.Tensor]):

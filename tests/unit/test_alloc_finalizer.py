@@ -15,7 +15,7 @@ from typing import Any, Callable, List
 import pytest
 import torch
 
-from rdt._alloc import HUGE_MIN_BYTES, BufferPool
+from rdt._alloc import HUGE_MIN_BYTES, POOL_MIN_BYTES, BufferPool
 from rdt._table import ObjectTable
 
 JOIN_S = 10.0
@@ -92,6 +92,25 @@ def test_pool_returns_every_dropped_buffer_once_drained() -> None:
     finally:
         pool.close()
 
+
+
+def test_pool_recycles_landings_from_one_mib_rounded_to_64_kib() -> None:
+    """A 1-4 MiB landing (a many-tensor object of a few MB) is recycled, not a fresh allocation whose every page
+    faults; it rounds to 64 KiB, not to a 2 MiB huge page; below POOL_MIN_BYTES torch's allocator serves."""
+    pool = BufferPool(64 << 20, 30.0)
+    try:
+        n = POOL_MIN_BYTES + 4192 * 3
+        first = pool.empty(n)
+        assert first.numel() == n
+        del first
+        gc.collect()
+        assert pool.idle_bytes() == -(-n // (64 << 10)) * (64 << 10)
+        again = pool.empty(n - 100)
+        assert again.numel() == n - 100 and pool.hits == 1 and pool.misses == 1
+        small = pool.empty(POOL_MIN_BYTES - 1)
+        assert small.numel() == POOL_MIN_BYTES - 1 and pool.misses == 1  # not the pool's
+    finally:
+        pool.close()
 
 
 def test_table_weakref_callback_under_the_table_lock_does_not_deadlock() -> None:

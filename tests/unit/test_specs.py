@@ -116,7 +116,10 @@ def _general(value):
         F.SEPARATE_MIN = keep
 
 
-def _same(a, b) -> None:
+def _same(a, b, separate: bool = True) -> None:
+    """The same flatten result; only the map pass marks its table ``separate`` (the general pass does not)."""
+    assert a.specs.separate == separate and not b.specs.separate
+    b.specs.separate = separate
     assert pickle.dumps(a.specs) == pickle.dumps(b.specs)
     assert pickle.dumps(a.table) == pickle.dumps(b.table)
     assert a.ranges == b.ranges and a.skeleton == b.skeleton
@@ -159,5 +162,63 @@ def test_leaves_the_map_pass_cannot_take_fall_back_to_the_general_pass():
         found = F._Collector()
         F._PlainPickler(io.BytesIO(), found).dump(value)
         assert F._finish_separate(b"", found) is None, name
-        _same(flatten(value), _general(value))
+        _same(flatten(value), _general(value), separate=False)
     assert len(flatten(cases["views of one storage"]).spans) == 20  # the view shares its storage's buffer
+
+
+def _landed(flat):
+    """The object's bytes landed the way a consumer lands them: one block (BlockViews) at padded offsets."""
+    from rdt.transports.base import BlockViews
+
+    sizes = list(flat.table.sizes)
+    offsets, total = padded_offsets(sizes)
+    block = torch.zeros(max(total, 1), dtype=torch.uint8)
+    for o, n, buf in zip(offsets, sizes, flat.buffers):
+        block[o:o + n] = buf
+    return BlockViews(block, offsets, sizes)
+
+
+def test_a_separate_object_landed_back_to_back_is_cut_in_one_call():
+    """Leaves whose sizes are multiples of ALIGN land back to back; the consumer cuts them from the block with one
+    split (1-D leaves) plus a view (others): the same values, shapes and dtypes as the per-leaf path, and views of
+    the block, not copies."""
+    import rdt._specs as S
+
+    value = [torch.arange(1048, dtype=torch.float32) + i for i in range(30)] + \
+            [torch.full((4, 8), 2.0), torch.full((2, 2, 2, 2), 3.0), torch.tensor(5.0)]  # 0-d: 4 bytes, see below
+    value = value[:-1]  # every size a multiple of 16 bytes: back to back
+    flat = flatten(value)
+    assert flat.specs.separate
+    bufs = _landed(flat)
+    calls = []
+    keep = S._cut_dense
+    S._cut_dense = lambda *a: calls.append(1) or keep(*a)
+    try:
+        got = flat.specs.rebuild(bufs)
+    finally:
+        S._cut_dense = keep
+    assert calls and len(got) == len(value)
+    for a, b in zip(got, value):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) and a.is_contiguous()
+        assert a.untyped_storage().data_ptr() == bufs.block.untyped_storage().data_ptr()
+    per_leaf = flat.specs
+    per_leaf.separate = False
+    again = per_leaf.rebuild(bufs)
+    assert all(torch.equal(a, b) and a.data_ptr() == b.data_ptr() for a, b in zip(got, again))
+
+
+def test_a_separate_object_with_gaps_or_several_dtypes_takes_the_per_leaf_path():
+    """Sizes that leave padding between buffers, or two dtypes: no cut; the per-leaf path rebuilds it right."""
+    import rdt._specs as S
+
+    gaps = [torch.full((3,), float(i)) for i in range(20)]  # 12 bytes each: padded to 16
+    mixed = [torch.full((8,), i, dtype=(torch.float32, torch.int64)[i % 2]) for i in range(20)]
+    for value in (gaps, mixed):
+        flat = flatten(value)
+        assert flat.specs.separate
+        bufs = _landed(flat)
+        got = flat.specs.rebuild(bufs)
+        if value is gaps:
+            assert S._cut_dense(bufs.block, bufs, bufs.block.untyped_storage(), torch.float32, 4,
+                                flat.specs.shape) is None
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, value))
