@@ -111,18 +111,19 @@ def _load_buffers(sizes: bytes, names: Tuple[str, ...], which: bytes) -> BufferT
 class SpecTable(Sequence[TensorSpec]):
     """The leaves of one object as columns; pickled as dtype names plus flat integer arrays."""
 
-    __slots__ = ("names", "buffer", "dtype", "kind", "offset", "shape", "stride", "separate")
+    __slots__ = ("names", "buffer", "dtype", "kind", "offset", "shape", "_stride", "separate")
 
     def __init__(self, names: Sequence[str], buffer: List[int], dtype: List[int], kind: List[int],
-                 offset: List[int], shape: List[Tuple[int, ...]], stride: List[Tuple[int, ...]],
+                 offset: List[int], shape: List[Tuple[int, ...]], stride: Optional[List[Tuple[int, ...]]],
                  separate: bool = False) -> None:
+        """``stride`` None: every leaf is contiguous (``separate`` tables), its strides made only if read."""
         self.names = tuple(names)  # dtype names used by this object, indexed by ``dtype``
         self.buffer = buffer
         self.dtype = dtype
         self.kind = kind  # leaf kind | requires_grad << 4
         self.offset = offset
         self.shape = shape
-        self.stride = stride
+        self._stride = stride
         # Leaf i is plain torch, contiguous and the whole of buffer i (a state dict of separate tensors, as the
         # producer's flatten found it): a consumer may cut the leaves from a dense block without checking each.
         self.separate = separate
@@ -140,6 +141,13 @@ class SpecTable(Sequence[TensorSpec]):
 
     def __len__(self) -> int:
         return len(self.buffer)
+
+    @property
+    def stride(self) -> List[Tuple[int, ...]]:
+        """Each leaf's strides in elements."""
+        if self._stride is None:
+            self._stride = [_contiguous(s) for s in self.shape]
+        return self._stride
 
     def _spec(self, i: int) -> TensorSpec:
         k = self.kind[i]
@@ -164,7 +172,10 @@ class SpecTable(Sequence[TensorSpec]):
         return isinstance(other, SpecTable) and list(self) == list(other)
 
     def __reduce__(self) -> Any:
-        ndim = [len(s) for s in self.shape]
+        ndim = list(map(len, self.shape))
+        if self.separate and len(self.names) == 1 and max(ndim, default=0) < 256:
+            # The rest is implied: leaf i is buffer i, plain torch and contiguous. 1 000 leaves: 16 against 56 KB.
+            return (_load_separate, (self.names[0], bytes(ndim), _ints([d for s in self.shape for d in s])))
         dims = [d for s in self.shape for d in s]
         strides = [d for s in self.stride for d in s]
         cols = _ints(self.buffer + self.dtype + self.kind + self.offset + ndim)
@@ -285,6 +296,25 @@ def _typed_base(buf: torch.Tensor, dtype: torch.dtype, es: int, di: int,
         view = typed[key] = torch.empty(0, dtype=dtype, device=buf.device)
         view.set_(storage, 0, (storage.nbytes() // es,), (1,))
     return view, base // es
+
+
+def _contiguous(shape: Sequence[int]) -> Tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def _load_separate(name: str, ndim: bytes, dims: bytes) -> SpecTable:
+    n = len(ndim)
+    d = _unints(dims)
+    if ndim.count(1) == n:  # all 1-D, as a flattened bucket's are
+        shape = [(x,) for x in d]
+    else:
+        ends = list(accumulate(ndim))
+        shape = [tuple(d[e - k:e]) for e, k in zip(ends, ndim)]
+    return SpecTable((name,), list(range(n)), [0] * n, [0] * n, [0] * n, shape, None, True)
 
 
 def _load_specs(names: Tuple[str, ...], cols: bytes, dims: bytes, strides: bytes, separate: bool = False
