@@ -20,9 +20,10 @@ import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence, Tuple
+from array import array
+from itertools import chain
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -38,12 +39,36 @@ _PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs mo
 _READV = _low.READV
 
 
-@dataclass(frozen=True)
 class CmaInfo:
-    """Where an object's buffers and guard live in the producer's address space."""
+    """Where an object's buffers and guard live in the producer's address space. The ranges are kept as the
+    ``struct iovec`` array the kernel reads (address, length as native 64-bit pairs): pickled as one bytes object
+    and handed to ``process_vm_readv`` as they are, however many buffers there are."""
 
-    guard: int
-    ranges: Tuple[Tuple[int, int], ...]  # (address, nbytes) per buffer
+    __slots__ = ("guard", "iov")
+
+    def __init__(self, guard: int, ranges: Union[bytes, Sequence[Tuple[int, int]]]) -> None:
+        self.guard = guard
+        self.iov = ranges if isinstance(ranges, bytes) else array("Q", chain.from_iterable(ranges)).tobytes()
+
+    @property
+    def ranges(self) -> List[Tuple[int, int]]:
+        """(address, nbytes) per buffer."""
+        a = array("Q")
+        a.frombytes(self.iov)
+        v = a.tolist()
+        return list(zip(v[0::2], v[1::2]))
+
+    def __reduce__(self) -> Any:
+        return (CmaInfo, (self.guard, self.iov))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, CmaInfo) and (self.guard, self.iov) == (other.guard, other.iov)
+
+    def __hash__(self) -> int:
+        return hash((self.guard, self.iov))
+
+    def __repr__(self) -> str:
+        return f"CmaInfo(guard={self.guard:#x}, {len(self.iov) // 16} ranges)"
 
 
 def yama_allows_siblings() -> bool:
@@ -149,8 +174,15 @@ class CmaReader:
         if _READV is None:
             raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
         try:
-            self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
-                        lambda part: _read_batched(pid, part))
+            remote = np.frombuffer(info.iov, dtype=np.uint64).reshape(-1, 2)
+            if self.threads < 2 or int(remote[:, 1].sum()) < _PARALLEL_MIN:  # one thread: the arrays as they are
+                local = np.empty_like(remote)
+                local[:, 0] = dests
+                local[:, 1] = remote[:, 1]
+                _low.batched_iov(_READV, pid, local, remote)
+            else:
+                self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
+                            lambda part: _read_batched(pid, part))
         except CmaDenied:
             self._denied.add(pid)
             raise

@@ -82,6 +82,22 @@ def batched(fn: Optional[ctypes._CFuncPtr], pid: int, parts: Sequence[Part]) -> 
             _once(fn, pid, local, remote, n)
 
 
+def batched_iov(fn: Optional[ctypes._CFuncPtr], pid: int, local: np.ndarray, remote: np.ndarray) -> None:
+    """:func:`batched` for ranges given as two (n, 2) uint64 arrays of ``struct iovec`` (address, length), equal
+    lengths row by row: no per-range Python object on the way to the kernel."""
+    if fn is None:
+        raise CmaDenied(errno.ENOSYS, "cross-memory attach is not available")
+    iov = ctypes.POINTER(_IoVec)
+    for s in range(0, len(local), IOV_MAX):
+        lv, rv = local[s:s + IOV_MAX], remote[s:s + IOV_MAX]
+        k = len(lv)
+        if fn(pid, lv.ctypes.data_as(iov), k, rv.ctypes.data_as(iov), k, 0) == int(lv[:, 1].sum()):
+            continue
+        for (dest, n), (src, _) in zip(lv.tolist(), rv.tolist()):  # an error or a short copy: range by range
+            if n:
+                _once(fn, pid, dest, src, n)
+
+
 def split_even(parts: Sequence[Part], k: int) -> List[List[Part]]:
     """(local, remote, n) ranges cut into at most ``k`` lists of about equal bytes, in order (a range that
     straddles a boundary is split there), so that ``k`` threads finish together whatever the sizes of the ranges."""
