@@ -123,3 +123,78 @@ def test_an_object_registered_twice_counts_once(agents):
     assert producer.nixl.registrations.users(_nixl_objects.storage_key(t)) == 1
     _nixl_objects.release(producer, entry)
     assert len(producer.nixl.registrations) == 0
+
+
+def _transfers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """Spy on the READs posted: the number of remote descriptors of each."""
+    posted: List[int] = []
+    keep = _nixl_objects._transfer
+
+    def spy(ag, info, plan, regs, keepalive, timeout):
+        posted.extend(len(remote) for _, remote, _, _ in plan)
+        return keep(ag, info, plan, regs, keepalive, timeout)
+
+    monkeypatch.setattr(_nixl_objects, "_transfer", spy)
+    return posted
+
+
+def test_many_small_cpu_buffers_are_packed_and_read_with_one_descriptor(agents, monkeypatch):
+    """A state dict of 300 small tensors is copied into one registered block from the agent's pool, with no
+    per-storage registration; a consumer without targets READs it whole with one descriptor and gets every leaf."""
+    producer, consumer = agents
+    weights = {f"w{i}": torch.arange(i, i + 3 + i % 5, dtype=torch.float32) for i in range(300)}
+    entry = _entry(weights)
+    info = _nixl_objects.register(producer, entry)
+    assert info.packed and len(info.descs) == 300
+    assert len(producer.nixl.registrations) == 0  # the storages themselves are not registered
+    posted = _transfers(monkeypatch)
+    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    assert posted == [1]
+    leaves = entry.flat.specs.rebuild(got)
+    assert all(torch.equal(a, b) for a, b in zip(leaves, weights.values()))
+    # Through the control reply (auto) as through Ray's pickle, the description stays packed.
+    assert _nixl_objects.decode_info(_nixl_objects.encode_info(info)) == info
+    import pickle
+
+    assert pickle.loads(pickle.dumps(info)) == info
+    # Targets: each buffer READ straight into its target, from within the packed block.
+    targets = [torch.zeros_like(t).view(-1).view(torch.uint8) for t in weights.values()]
+    posted.clear()
+    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0, dests=targets)
+    assert posted == [300] and all(g is t for g, t in zip(got, targets))
+    assert all(torch.equal(t.view(torch.float32), w) for t, w in zip(targets, weights.values()))
+
+
+def test_packed_blocks_are_reused_and_the_idle_pool_stays_bounded(agents):
+    """Freed objects give their block back; the next object reuses it (no new registration); idle blocks beyond
+    the pool's bound are deregistered."""
+    producer, consumer = agents
+    weights = [torch.full((100,), float(i)) for i in range(64)]
+    first = _entry(weights)
+    _nixl_objects.register(producer, first)
+    pool = producer.nixl.blocks
+    block = first.exports["nixl"][2]
+    _nixl_objects.release(producer, first)
+    assert len(pool) == 1
+    again = _entry(weights)
+    info = _nixl_objects.register(producer, again)
+    assert again.exports["nixl"][2] is block and len(pool) == 0  # the same registered block
+    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    assert all(torch.equal(a, b) for a, b in zip(again.flat.specs.rebuild(got), weights))
+    entries = [_entry([w.clone() for w in weights]) for _ in range(pool.max_idle + 4)]
+    for e in entries:
+        _nixl_objects.register(producer, e)
+    for e in entries + [again]:
+        _nixl_objects.release(producer, e)
+    assert len(pool) == pool.max_idle  # the rest were deregistered
+
+
+def test_large_or_few_buffers_are_not_packed(agents):
+    """Few buffers, large ones, or more than PACK_MAX in all: registered in place, as before."""
+    producer, _ = agents
+    few = [torch.ones(10) for _ in range(_nixl_objects.PACK_MIN - 1)]
+    large = [torch.ones(_nixl_objects.PACK_MEAN // 4 + 1) for _ in range(_nixl_objects.PACK_MIN)]
+    for value in (few, large):
+        entry = _entry(value)
+        assert not _nixl_objects.register(producer, entry).packed
+        _nixl_objects.release(producer, entry)
