@@ -87,7 +87,8 @@ class NixlInfo:
     def __reduce__(self) -> Any:
         """Descriptors as one array of integers: a thousand tuples pickle to 60 KB, and cost that in time."""
         cols = array("Q", chain.from_iterable(self.descs)).tobytes()
-        types = bytes(_MEM_CODES[t] for t in self.mem_types)
+        uniform = self.mem_types.count(self.mem_type) == len(self.mem_types)
+        types = b"" if uniform else bytes(_MEM_CODES[t] for t in self.mem_types)  # b"": all are mem_type
         return (_load_info, (self.agent, self.agent_md, self.mem_type, cols, types, self.extra_md, self.packed))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -185,11 +186,10 @@ class BlockViews(Sequence[torch.Tensor]):
 
 def padded_offsets(sizes: Sequence[int]) -> Tuple[List[int], int]:
     """Where each buffer of a block starts (multiples of :data:`ALIGN`) and the block's size."""
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += -(-n // ALIGN) * ALIGN
-    return offsets, at
+    ends = list(accumulate(-(-n // ALIGN) * ALIGN for n in sizes))
+    if not ends:
+        return [], 0
+    return [0] + ends[:-1], ends[-1]
 
 
 def block_views(ctx: Any, sizes: List[int], device: Optional[torch.device] = None) -> BlockViews:
