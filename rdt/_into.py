@@ -195,6 +195,7 @@ def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) ->
             leaf_of[b] = i
     device_types: Dict[str, str] = {}
     out: List[Optional[torch.Tensor]] = []
+    separate = specs.separate  # every leaf dense, at offset 0 of its own buffer: nothing to check per leaf
     for b, nbytes in enumerate(table.sizes):
         i = leaf_of[b]
         if users[b] != 1 or len(tensors[i]) != 1:
@@ -205,8 +206,8 @@ def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) ->
         kind = device_types.get(dev)
         if kind is None:
             kind = device_types[dev] = torch.device(dev).type
-        if specs.offset[i] == 0 and t.nbytes == nbytes and t.device.type == kind \
-                and _dense(specs.shape[i], specs.stride[i]):
+        if (separate or specs.offset[i] == 0 and _dense(specs.shape[i], specs.stride[i])) and t.nbytes == nbytes \
+                and t.device.type == kind:
             out.append(t.detach().view(-1).view(torch.uint8))
         else:
             out.append(None)
@@ -226,11 +227,13 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 def fill(meta: ObjectMeta, buffers: List[torch.Tensor], tensors: Sequence[Sequence[torch.Tensor]],
          landed: Sequence[Optional[torch.Tensor]]) -> None:
     """Copy into every target whose buffer did not land in it directly (cross-device, tied or shared storage)."""
-    for spec, targets in zip(meta.specs, tensors):
-        if spec.buffer < 0:
+    specs = meta.specs
+    for i, (b, targets) in enumerate(zip(specs.buffer, tensors)):  # columns: no TensorSpec for a landed leaf
+        if b < 0:
             continue  # an empty tensor
-        if landed[spec.buffer] is not None and buffers[spec.buffer] is landed[spec.buffer]:
+        if landed[b] is not None and buffers[b] is landed[b]:
             continue
+        spec = specs[i]
         src = leaf_from_buffer(spec, buffers)
         src = src if isinstance(src, torch.Tensor) else torch.as_tensor(src)
         for t in targets:
