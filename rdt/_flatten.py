@@ -407,6 +407,16 @@ class _Unpickler(pickle.Unpickler):
         return self._leaves[pid]
 
 
+def flat_keys(skeleton: bytes) -> Optional[List[str]]:
+    """The keys, in leaf order, of a value that is a flat dict of tensors (see :func:`_flat_container`); else None."""
+    kind = skeleton[4:5] if skeleton[:4] == _FLAT else b""
+    if kind == b"D":
+        return pickle.loads(skeleton[5:])
+    if kind == b"O":
+        return pickle.loads(skeleton[5:])[0]
+    return None
+
+
 def unflatten(skeleton: bytes, leaves: List[Any]) -> Any:
     """Put leaves back into the skeleton. Only ever called on bytes that came through Ray."""
     if skeleton[:4] == _FLAT:

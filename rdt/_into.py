@@ -8,11 +8,12 @@ case); otherwise (tied weights, views of one storage, another device) it lands i
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._flatten import leaf_from_buffer, unflatten
+from ._flatten import flat_keys, leaf_from_buffer, unflatten
 from ._meta import ObjectMeta
 from .errors import IntoMismatchError
 
@@ -114,6 +115,9 @@ def targets_for(meta: ObjectMeta, into: Any) -> Tuple[Any, List[List[torch.Tenso
 
     Raises IntoMismatchError naming the first leaf that does not fit; nothing has moved then.
     """
+    fast = _flat_dict_targets(meta, into)
+    if fast is not None:
+        return fast
     shape, paths = leaf_paths(meta)
     n = len(meta.specs)
     found: Dict[int, List[Any]] = {}
@@ -136,6 +140,25 @@ def targets_for(meta: ObjectMeta, into: Any) -> Tuple[Any, List[List[torch.Tenso
         tensors.append([_check(meta, specs.shape[i], dtypes[specs.dtype[i]], specs.names[specs.dtype[i]], t,
                                paths[i]) for t in found[i]])
     value = _substitute(shape, into) if structural else unflatten(meta.skeleton, [found[i][0] for i in range(n)])
+    return value, tensors, paths
+
+
+def _flat_dict_targets(meta: ObjectMeta, into: Any) -> Optional[Tuple[Any, List[List[torch.Tensor]], List[str]]]:
+    """:func:`targets_for` for a state dict (a flat dict of tensors) and an ``into`` dict holding every key: no walk
+    of the value's structure. None: not this case (the general walk also names what is missing)."""
+    keys = flat_keys(meta.skeleton) if isinstance(into, dict) else None
+    if keys is None or len(keys) != len(meta.specs):
+        return None
+    try:
+        picked = [into[k] for k in keys]
+    except (KeyError, TypeError):
+        return None
+    specs = meta.specs
+    dtypes = [getattr(torch, name, None) for name in specs.names]
+    paths = [f"[{k!r}]" for k in keys]
+    tensors = [[_check(meta, shape, dtypes[d], specs.names[d], t, where)]
+               for shape, d, t, where in zip(specs.shape, specs.dtype, picked, paths)]
+    value = OrderedDict(zip(keys, picked)) if meta.skeleton[4:5] == b"O" else dict(zip(keys, picked))
     return value, tensors, paths
 
 

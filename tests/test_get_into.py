@@ -78,6 +78,10 @@ def _state(fill: float) -> Dict[str, torch.Tensor]:
             "ids": torch.arange(N, dtype=torch.int64)}
 
 
+def _flat_state(fill: float) -> Dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.w": torch.full((4, 32 + i), fill + i) for i in range(20)}
+
+
 @ray.remote
 class Producer:
     def __init__(self) -> None:
@@ -107,6 +111,11 @@ class Producer:
     @rdt.tensor_method(tensor_transport="object_store")
     def object_store(self, fill: float) -> Dict[str, Any]:
         return {**_state(fill), "step": 7}
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def state_dict(self, fill: float) -> Dict[str, torch.Tensor]:
+        """A state dict proper: a flat dict of 20 tensors and nothing else (flattened without a pickler walk)."""
+        return _flat_state(fill)
 
     @rdt.tensor_method(tensor_transport="gate")
     def gate(self, fill: float) -> Dict[str, Any]:
@@ -403,6 +412,39 @@ def test_into_on_the_driver(actors) -> None:
     assert all(bool((params[k] == v).all()) for k, v in _state(3.0).items())
     plain = rdt.get(p.shm.remote(4.0))  # no into, on the driver: the value itself
     assert float(plain["layer.0.bias"][0, 0]) == 5.0
+
+
+def test_into_a_state_dict_takes_the_keys_fast_path_and_still_refuses_every_mismatch(actors, monkeypatch) -> None:
+    """A flat state dict into a dict of targets (extra keys allowed): the leaves are the targets, by key, with no
+    walk of the value's structure. A wrong shape, dtype or a missing key is refused naming the key, every target
+    untouched."""
+    import rdt._into
+
+    p, _ = actors
+    want = _flat_state(2.0)
+    params = {k: torch.zeros_like(v) for k, v in reversed(list(want.items()))}  # another key order
+    params["extra.buffer"] = torch.ones(3)
+    with monkeypatch.context() as m:
+        m.setattr(rdt._into, "leaf_paths", lambda meta: pytest.fail("the structure was walked"))
+        value = rdt.get(p.state_dict.remote(2.0), into=params)
+    assert list(value) == list(want) and all(value[k] is params[k] for k in want)
+    assert all(torch.equal(params[k], v) for k, v in want.items()) and torch.equal(params["extra.buffer"], torch.ones(3))
+
+    def refused(bad: Dict[str, torch.Tensor], *words: str) -> None:
+        before = {k: v.clone() for k, v in bad.items()}
+        with pytest.raises(rdt.IntoMismatchError) as info:
+            rdt.get(p.state_dict.remote(5.0), into=bad)
+        assert all(w in str(info.value) for w in words), str(info.value)
+        assert all(torch.equal(bad[k], before[k]) for k in bad)  # nothing moved
+
+    wrong_shape = {k: torch.zeros_like(v) for k, v in want.items()}
+    wrong_shape["model.layers.7.w"] = torch.zeros(4, 30)
+    refused(wrong_shape, "['model.layers.7.w']", "(4, 39) != (4, 30)")
+    wrong_dtype = {k: torch.zeros_like(v) for k, v in want.items()}
+    wrong_dtype["model.layers.3.w"] = torch.zeros(4, 35, dtype=torch.float64)
+    refused(wrong_dtype, "['model.layers.3.w']", "float64")
+    missing = {k: torch.zeros_like(v) for k, v in want.items() if k != "model.layers.11.w"}
+    refused(missing, "['model.layers.11.w']", "partial into is refused")
 
 
 def test_into_in_the_producer_copies(actors) -> None:
