@@ -19,9 +19,9 @@ import ctypes
 import errno
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from collections import OrderedDict
 from array import array
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 

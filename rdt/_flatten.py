@@ -217,7 +217,7 @@ _LAYOUT, _IS_NESTED = attrgetter("layout"), attrgetter("is_nested")
 
 def _flat_container(value: Any) -> Optional[Tuple[bytes, List[torch.Tensor]]]:
     """(skeleton, leaves) for a flat container of SEPARATE_MIN or more distinct dense torch tensors (no
-    Parameters, no attributes on the container); None: the pickler's walk serves it."""
+    Parameters; an OrderedDict's attributes only if plain data); None: the pickler's walk serves it."""
     kind = _FLAT_KINDS.get(type(value))
     if kind is None or len(value) < SEPARATE_MIN:
         return None
