@@ -97,7 +97,7 @@ def _read_mapped(ctx: Any, meta: ObjectMeta, maps: _shm_map.MapInfo, info: _cma.
     """Copy the object from mappings of the producer's shared storages, then check its guard. False when they cannot
     be mapped (the caller reads directly instead); raises CmaError when the object is gone."""
     try:
-        ctx.shm_maps.read(meta.producer.pid, maps, dests, [n for _, n in info.ranges])
+        ctx.shm_maps.read(meta.producer.pid, maps, dests, meta.buffers.sizes)  # the sizes the metadata carries
     except _shm_map.MapError as e:
         logger.debug("rdt: mapping the shared storages of %s failed (%s); reading directly", meta.id_hex, e)
         return False
