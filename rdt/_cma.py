@@ -34,6 +34,9 @@ from rdt_transports._proc import pid_alive
 MAGIC = b"rdtcma1\0"
 GUARD_BYTES = len(MAGIC) + 16
 _PARALLEL_MIN = 16 << 20  # below this one thread is as fast (the split costs more than it saves)
+# Spans: from 32 ranges of 64 KiB or less on average, joined across gaps of up to a page (reading a page costs
+# about what one more iovec does; 1 000 ranges of 4 KiB: 0.88 -> 0.58 ms plus 0.06-0.09 ms of planning).
+_SPAN_MIN_RANGES, _SPAN_MAX_MEAN, _SPAN_MAX_GAP = 32, 64 << 10, 4096
 
 
 _READV = _low.READV
@@ -161,6 +164,7 @@ class CmaReader:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self._denied = _DeniedPids()
+        self._scratch: Optional[np.ndarray] = None  # where the bytes between spanned ranges land (never read)
 
     def denied(self, pid: int) -> bool:
         return pid in self._denied
@@ -179,7 +183,8 @@ class CmaReader:
                 local = np.empty_like(remote)
                 local[:, 0] = dests
                 local[:, 1] = remote[:, 1]
-                _low.batched_iov(_READV, pid, local, remote)
+                if not self._read_spans(pid, local, remote):
+                    _low.batched_iov(_READV, pid, local, remote)
             else:
                 self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
                             lambda part: _read_batched(pid, part))
@@ -187,6 +192,18 @@ class CmaReader:
             self._denied.add(pid)
             raise
         self.check(pid, info, obj_id)
+
+    def _read_spans(self, pid: int, local: np.ndarray, remote: np.ndarray) -> bool:
+        """Many small ranges lying close together in the producer (tensors allocated one after another) read as
+        a few spans, the bytes between them dropped in a scratch buffer. False: not this case, or a span could not
+        be read whole (the caller reads range by range)."""
+        n = len(remote)
+        if n < _SPAN_MIN_RANGES or int(remote[:, 1].sum()) > n * _SPAN_MAX_MEAN:
+            return False
+        if self._scratch is None:
+            self._scratch = np.empty(_SPAN_MAX_GAP, dtype=np.uint8)
+        plan = _low.spans_plan(local, remote, self._scratch.ctypes.data, _SPAN_MAX_GAP)
+        return plan is not None and _low.read_plan(_READV, pid, plan)
 
     def check(self, pid: int, info: CmaInfo, obj_id: bytes) -> None:
         """Raise :class:`CmaError` unless the guard in process ``pid`` still names ``obj_id`` (the object is live)."""

@@ -205,9 +205,11 @@ def _remember(ctx: Any, key: Tuple[Any, bytes], leaves: List[Any]) -> None:
         ctx.fetch_cache.pop(key, None)
 
     try:
-        ctx.fetch_cache[key] = [weakref.ref(x, drop) for x in leaves]
+        refs = list(map(weakref.ref, leaves))  # a hit needs every leaf alive; the first leaf's death drops the entry
+        refs[0] = weakref.ref(leaves[0], drop)
     except TypeError:  # a leaf kind without weakref support: just don't cache
-        pass
+        return
+    ctx.fetch_cache[key] = refs
 
 
 def keep_alive(buffers: List[torch.Tensor], holder: Any) -> None:

@@ -158,12 +158,13 @@ class BlockViews(Sequence[torch.Tensor]):
     """Landing buffers that are byte ranges of one block: a sequence of uint8 views, each made only when indexed
     (an object of a thousand tensors then costs one allocation, and its leaves are rebuilt from the block)."""
 
-    __slots__ = ("block", "offsets", "sizes")
+    __slots__ = ("block", "offsets", "sizes", "dense")
 
-    def __init__(self, block: torch.Tensor, offsets: List[int], sizes: List[int]) -> None:
+    def __init__(self, block: torch.Tensor, offsets: List[int], sizes: List[int], dense: bool = False) -> None:
         self.block = block
         self.offsets = offsets
         self.sizes = sizes
+        self.dense = dense  # the buffers lie back to back from the block's start (every size a multiple of ALIGN)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -186,20 +187,23 @@ class BlockViews(Sequence[torch.Tensor]):
 
 def padded_offsets(sizes: Sequence[int]) -> Tuple[List[int], int]:
     """Where each buffer of a block starts (multiples of :data:`ALIGN`) and the block's size."""
-    ends = list(accumulate(-(-n // ALIGN) * ALIGN for n in sizes))
-    if not ends:
+    if not sizes:
         return [], 0
+    dense = not any(map(_ALIGN_REM, sizes))  # a model's tensors: the sizes are the steps (C loops, no genexpr)
+    ends = list(accumulate(sizes if dense else (-(-n // ALIGN) * ALIGN for n in sizes)))
     return [0] + ends[:-1], ends[-1]
+
+
+_ALIGN_REM = ALIGN.__rmod__  # n -> n % ALIGN
 
 
 def block_views(ctx: Any, sizes: List[int], device: Optional[torch.device] = None) -> BlockViews:
     """Fresh landing buffers of ``sizes`` bytes as byte ranges of one block, each at a multiple of ALIGN."""
     device = device or torch.device("cpu")
     offsets, total = padded_offsets(sizes)
-    total = max(total, 1)
-    block = ctx.buffers.empty(total) if device.type == "cpu" else torch.empty(total, dtype=torch.uint8,
-                                                                                device=device)
-    return BlockViews(block, offsets, list(sizes))
+    room = max(total, 1)
+    block = ctx.buffers.empty(room) if device.type == "cpu" else torch.empty(room, dtype=torch.uint8, device=device)
+    return BlockViews(block, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))
 
 
 _context_getter: Optional[Callable[[], Any]] = None

@@ -179,3 +179,79 @@ def test_split_even_keeps_every_byte_in_order(k):
     sizes = [sum(n for *_, n in s) for s in shares]
     assert max(sizes) - min(sizes) <= -(-total // k)
     assert all(sz <= -(-total // k) for sz in sizes)
+
+
+def _iov(pairs: List[Tuple[int, int]]) -> "np.ndarray":
+    import numpy as np
+
+    return np.array(pairs, dtype=np.uint64).reshape(-1, 2)
+
+
+def test_many_small_ranges_read_as_spans_in_any_order() -> None:
+    """1 500 small tensors allocated one after another are read as a few remote spans (the bytes between them
+    into scratch), across several syscalls, into destinations in shuffled order; every byte lands where asked."""
+    import numpy as np
+
+    srcs = [torch.full((4192,), i % 251, dtype=torch.uint8) for i in range(1500)]
+    order = list(range(len(srcs)))
+    random.Random(7).shuffle(order)
+    dst = torch.zeros(4192 * len(srcs), dtype=torch.uint8)
+    dests = [dst.data_ptr() + 4192 * order[i] for i in range(len(srcs))]
+    remote = _iov([(s.data_ptr(), 4192) for s in srcs])
+    local = _iov([(d, 4192) for d in dests])
+    scratch = np.empty(4096, dtype=np.uint8)
+    for r, l in ((remote, local), (remote[order], local[order])):  # allocation order, and shuffled
+        plan = low_cma.spans_plan(l, r, scratch.ctypes.data, 4096)
+        assert plan is not None and len(plan) >= 3  # 1 500 ranges and their gaps: more than one call's 1 024
+        assert sum(len(rv) for _, rv in plan) < len(srcs) // 2
+        dst.zero_()
+        assert low_cma.read_plan(low_cma.READV, os.getpid(), plan)
+        assert all(torch.equal(dst[4192 * order[i]:4192 * (order[i] + 1)], srcs[i]) for i in range(len(srcs)))
+    # Through the reader, with the object's guard checked after the read.
+    guard = _cma.guard_for(OBJ)
+    dst.zero_()
+    _cma.CmaReader(threads=1).read(os.getpid(), _cma.CmaInfo(guard.ctypes.data, [(s.data_ptr(), 4192) for s in srcs]),
+                                   dests, OBJ)
+    assert all(torch.equal(dst[4192 * order[i]:4192 * (order[i] + 1)], srcs[i]) for i in range(len(srcs)))
+
+
+def test_ranges_far_apart_are_not_spanned_and_a_span_over_a_hole_falls_back() -> None:
+    """Ranges more than a page apart stay separate iovecs; a span across an inaccessible page fails as a whole and
+    the reader reads range by range instead, with every byte right."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    scratch = np.empty(4096, dtype=np.uint8)
+    far = torch.arange(64 * 65536 // 4, dtype=torch.int32)
+    base = far.data_ptr()
+    pairs = [(base + i * 65536, 64) for i in range(64)]
+    assert low_cma.spans_plan(_iov(pairs), _iov(pairs), scratch.ctypes.data, 4096) is None
+
+    page = mmap.PAGESIZE
+    m = mmap.mmap(-1, 3 * page)
+    m[:] = bytes(i % 253 for i in range(3 * page))
+    holder = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(holder)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(addr + page), page, 0) == 0  # PROT_NONE
+    try:
+        # 32 ranges ending the first page, 32 starting the third: one page apart, so one span across the hole.
+        ranges = [(addr + page - 64 * (32 - i), 64) for i in range(32)] + [(addr + 2 * page + 64 * i, 64)
+                                                                         for i in range(32)]
+        dst = torch.zeros(64 * 64, dtype=torch.uint8)
+        local = _iov([(dst.data_ptr() + 64 * i, 64) for i in range(64)])
+        plan = low_cma.spans_plan(local, _iov(ranges), scratch.ctypes.data, page)
+        assert plan is not None and sum(len(rv) for _, rv in plan) == 1
+        assert not low_cma.read_plan(low_cma.READV, os.getpid(), plan)  # the kernel stops at the hole
+        guard = _cma.guard_for(OBJ)
+        dst.zero_()
+        _cma.CmaReader(threads=1).read(os.getpid(), _cma.CmaInfo(guard.ctypes.data, ranges),
+                                       [dst.data_ptr() + 64 * i for i in range(64)], OBJ)
+        want = b"".join(bytes(m[a - addr:a - addr + n]) for a, n in ranges)
+        assert dst.numpy().tobytes() == want
+    finally:
+        libc.mprotect(ctypes.c_void_p(addr + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
+        del holder
+        m.close()

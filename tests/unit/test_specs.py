@@ -259,7 +259,6 @@ def test_flat_containers_skip_the_pickler_and_come_back_the_same():
     tagged.extra = torch.ones(2)  # a tensor attribute: must go out of band, so the pickler's walk serves it
     cases = {
         "too few": ts[:SEPARATE_MIN_FOR_TEST - 1],
-        "same tensor twice": ts + [ts[0]],
         "a Parameter": ts + [torch.nn.Parameter(torch.ones(2))],
         "a non-str key": {**{f"w{i}": t for i, t in enumerate(ts)}, 3: torch.ones(1)},
         "a scalar value": ts + [7],
@@ -272,6 +271,11 @@ def test_flat_containers_skip_the_pickler_and_come_back_the_same():
         assert not flat.skeleton.startswith(F._FLAT), name
         back = unflatten(flat.skeleton, flat.specs.rebuild(flat.buffers))
         assert type(back) is type(value), name
+    twice = ts + [ts[0]]  # flat, but one object twice: the pickler's walk keeps it one object
+    flat = flatten(twice)
+    assert not flat.skeleton.startswith(F._FLAT)
+    back = unflatten(flat.skeleton, flat.specs.rebuild(flat.buffers))
+    assert back[0] is back[-1] and len(back) == len(twice)
     sparse = ts + [torch.eye(3).to_sparse()]
     with pytest.raises(Exception, match="dense"):
         flatten(sparse)  # the pickler's walk raises its typed error, as before
