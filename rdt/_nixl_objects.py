@@ -17,7 +17,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
+from typing import (TYPE_CHECKING, Any, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, TypeVar,
+                    Union)
 
 import torch
 
@@ -25,7 +26,7 @@ from rdt_transports import _lifecycle
 from rdt_transports._memcopy import copy_parts
 
 from ._ready import wait_ready
-from .transports.base import SetupFailed
+from .transports.base import SetupFailed, padded_offsets
 from ._nixl_targets import TargetRegistrations
 from ._storage_cache import StorageCache
 
@@ -61,6 +62,52 @@ _MEM_CODES = {"DRAM": 0, "VRAM": 1}
 _MEM_NAMES = {v: k for k, v in _MEM_CODES.items()}
 
 
+class PackedDescs(Sequence[Tuple[int, int, int]]):
+    """The descriptors of a packed object: its buffers at :func:`padded_offsets` of their sizes from ``base``, on
+    device 0. Kept as the sizes, so that a thousand buffers cost no tuples to describe, pickle or read whole."""
+
+    __slots__ = ("base", "sizes", "_offsets")
+
+    def __init__(self, base: int, sizes: List[int], offsets: Optional[List[int]] = None) -> None:
+        self.base, self.sizes, self._offsets = base, sizes, offsets
+
+    @property
+    def offsets(self) -> List[int]:
+        """Where each buffer starts, from ``base``."""
+        if self._offsets is None:
+            self._offsets = padded_offsets(self.sizes)[0]
+        return self._offsets
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        return (self.base + self.offsets[i], self.sizes[i], 0)
+
+    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
+        return zip([self.base + o for o in self.offsets], self.sizes, [0] * len(self.sizes))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, (tuple, list, PackedDescs)) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __reduce__(self) -> Any:
+        return (_load_packed, (self.base, array("Q", self.sizes).tobytes()))
+
+    def __repr__(self) -> str:
+        return f"PackedDescs(base={self.base:#x}, {len(self.sizes)} buffers)"
+
+
+def _load_packed(base: int, sizes: bytes) -> PackedDescs:
+    a = array("Q")
+    a.frombytes(sizes)
+    return PackedDescs(base, a.tolist())
+
+
 @dataclass(frozen=True)
 class NixlInfo:
     """What a consumer needs to READ an object: agent name, agent metadata, descriptors, each buffer's memory type.
@@ -73,7 +120,7 @@ class NixlInfo:
     agent: str
     agent_md: bytes
     mem_type: str  # "DRAM" or "VRAM"
-    descs: Tuple[Tuple[int, int, int], ...]  # (address, length, device id) per buffer
+    descs: Sequence[Tuple[int, int, int]]  # (address, length, device id) per buffer; PackedDescs when packed
     mem_types: Tuple[str, ...] = ()
     extra_md: Tuple[bytes, ...] = ()
     # The producer packed the buffers into one registered block at the offsets a consumer's landing block uses
@@ -86,18 +133,22 @@ class NixlInfo:
 
     def __reduce__(self) -> Any:
         """Descriptors as one array of integers: a thousand tuples pickle to 60 KB, and cost that in time."""
-        cols = array("Q", chain.from_iterable(self.descs)).tobytes()
+        descs = self.descs
+        cols = descs if isinstance(descs, PackedDescs) else array("Q", chain.from_iterable(descs)).tobytes()
         uniform = self.mem_types.count(self.mem_type) == len(self.mem_types)
         types = b"" if uniform else bytes(_MEM_CODES[t] for t in self.mem_types)  # b"": all are mem_type
         return (_load_info, (self.agent, self.agent_md, self.mem_type, cols, types, self.extra_md, self.packed))
 
 
-def _load_info(agent: str, agent_md: bytes, mem_type: str, cols: bytes, types: bytes, extra_md: Tuple[bytes, ...],
-               packed: bool) -> NixlInfo:
-    a = array("Q")
-    a.frombytes(cols)
-    v = a.tolist()
-    descs = tuple(zip(v[0::3], v[1::3], v[2::3]))
+def _load_info(agent: str, agent_md: bytes, mem_type: str, cols: Union[bytes, PackedDescs], types: bytes,
+               extra_md: Tuple[bytes, ...], packed: bool) -> NixlInfo:
+    if isinstance(cols, PackedDescs):
+        descs: Sequence[Tuple[int, int, int]] = cols
+    else:
+        a = array("Q")
+        a.frombytes(cols)
+        v = a.tolist()
+        descs = tuple(zip(v[0::3], v[1::3], v[2::3]))
     return NixlInfo(agent, agent_md, mem_type, descs, tuple(_MEM_NAMES[c] for c in types), extra_md, packed)
 
 
@@ -353,16 +404,13 @@ def _packs(entry: "Entry") -> bool:
 def _register_packed(ag: NixlAgent, entry: "Entry") -> NixlInfo:
     """Copy the object's buffers into one registered block from the agent's pool, laid out as a consumer's landing
     block (:func:`padded_offsets`), and describe each buffer within it."""
-    from .transports.base import padded_offsets
-
     sizes = list(entry.flat.table.sizes)
     offsets, total = padded_offsets(sizes)
     block = ag.blocks.take(total)
     try:
         base = block.addr
         copy_parts([(base + o, a, n) for o, (a, n) in zip(offsets, entry.flat.ranges)])
-        info = NixlInfo(ag.name, block.md, "DRAM", tuple(zip([base + o for o in offsets], sizes, [0] * len(sizes))),
-                        packed=True)
+        info = NixlInfo(ag.name, block.md, "DRAM", PackedDescs(base, sizes, offsets), packed=True)
     except BaseException:
         ag.blocks.give(block)
         raise
@@ -557,12 +605,13 @@ def _read_block(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, timeout: float
     buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
     from .transports.base import block_views
 
-    views = block_views(ctx, [n for _, n, _ in info.descs])
+    descs = info.descs
+    views = block_views(ctx, descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs])
     base = views.block.data_ptr()
     with ag.lock:
         regs = [ag.agent.register_memory([views.block])]
     if info.packed:  # laid out as this block is: one descriptor for the whole object
-        total = views.offsets[-1] + info.descs[-1][1]
+        total = views.offsets[-1] + views.sizes[-1]
         local, remote = [(base, total, 0)], [(info.descs[0][0], total, 0)]
     else:
         local = [(base + o, n, 0) for o, (_, n, _) in zip(views.offsets, info.descs)]
