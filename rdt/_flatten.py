@@ -84,9 +84,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or its values in a fresh tensor where its storage does not hold them: a conjugate or negative
+    view (``x.conj()``, ``x.conj().imag``) keeps the bit in the tensor, not in the bytes that travel."""
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
+
+
 def _to_torch(obj: Any) -> Optional[Tuple[torch.Tensor, int]]:
     if type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_nested:  # the common case, fast
-        return obj, KIND_TORCH
+        return _stored(obj), KIND_TORCH
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_nested:
             from rdt_transports.errors import InvalidArgumentError
@@ -97,8 +103,8 @@ def _to_torch(obj: Any) -> Optional[Tuple[torch.Tensor, int]]:
                 hint="return t.to_dense() (or the sparse tensor's indices() and values()) instead",
             )
         if isinstance(obj, torch.nn.Parameter):
-            return obj.detach(), KIND_PARAMETER
-        return obj, KIND_TORCH
+            return _stored(obj.detach()), KIND_PARAMETER
+        return _stored(obj), KIND_TORCH
     np = sys.modules.get("numpy")
     if np is not None and type(obj) is np.ndarray and obj.dtype != object:
         return torch.from_numpy(np.ascontiguousarray(obj) if not obj.flags["C_CONTIGUOUS"] else obj), KIND_NUMPY
@@ -133,8 +139,8 @@ class _PlainPickler(pickle.Pickler):
             found = self._found
             idx = found.by_id.get(id(obj))
             if idx is None:
-                if obj.layout != torch.strided or obj.is_nested:
-                    return found.add(obj)  # raises the typed error
+                if obj.layout != torch.strided or obj.is_nested or obj.is_conj() or obj.is_neg():
+                    return found.add(obj)  # raises the typed error, or stores a conjugate/negative view's values
                 idx = found.by_id[id(obj)] = len(found.leaves)
                 found.leaves.append(obj)
                 found.tensors.append((obj, KIND_TORCH))
@@ -198,7 +204,7 @@ def flatten(value: Any) -> Flattened:
             return fast
         if len(set(map(id, leaves))) == len(leaves):  # one object twice: the pickler's walk keeps it one object
             found.leaves = leaves
-            found.tensors = list(zip(leaves, [KIND_TORCH] * len(leaves)))
+            found.tensors = list(zip(map(_stored, leaves), [KIND_TORCH] * len(leaves)))
             return _finish(skeleton, found, separate=False)
     out = io.BytesIO()
     try:
@@ -290,9 +296,14 @@ def _separate(skeleton: bytes, ts: List[torch.Tensor], leaves: List[Any]) -> Opt
     if not all(nbytes) or len(set(ptrs)) != n:
         return None  # an empty leaf, or two leaves on one storage (views, tied weights)
     each = list(map(_DTYPE, ts))
+    dtype_set = set(each)
+    # A conjugate view: the general pass stores its values. (A contiguous tensor carries the negative bit only
+    # through torch's private _neg_view, so that bit, which costs a pass, is not checked here.)
+    if any(d.is_complex for d in dtype_set) and any(map(_T.is_conj, ts)):
+        return None
     names: Dict[torch.dtype, int] = {}
     lengths = None
-    if len(set(each)) == 1:  # one dtype, as a model's weights usually are
+    if len(dtype_set) == 1:  # one dtype, as a model's weights usually are
         names[each[0]] = 0
         dtypes = [0] * n
         if set(map(_T.dim, ts)) == {1}:  # 1-D leaves (buckets): shapes from the sizes, no torch.Size made

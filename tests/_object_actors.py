@@ -78,7 +78,7 @@ def _nested_maker(transport: str):
 def many_tensors(count: int = 300) -> Dict[str, Any]:
     """A state-dict-like value of ``count`` leaves exercising every layout a leaf can have: several dtypes and
     ranks, 0-d and empty tensors, transposed and strided views, views sharing one storage, the same tensor twice,
-    numpy arrays and Parameters (deterministic: the same on every call)."""
+    numpy arrays, Parameters, conjugate and negative views (deterministic: the same on every call)."""
     g = torch.Generator().manual_seed(11)
     shared = torch.randn(64, 48, generator=g)
     out: Dict[str, Any] = {}
@@ -102,6 +102,10 @@ def many_tensors(count: int = 300) -> Dict[str, Any]:
             t = t.numpy() if dt not in (torch.bfloat16,) else t
         elif kind == 7:
             t = torch.nn.Parameter(t.float(), requires_grad=bool(i % 2))
+        elif kind == 8:
+            t = torch.complex(base, base.flip(0)).conj()  # a conjugate view: the bit is not in the bytes
+        elif kind == 9 and i % 20 == 9:
+            t = torch.complex(base, -base).conj().imag  # a negative view (strided), real dtype
         out[f"layer.{i}.w"] = t
     out["tied"] = out["layer.0.w"]
     out["step"] = 7
@@ -116,7 +120,7 @@ def leaf_digests(value: Dict[str, Any]) -> List[Any]:
             rows.append((k, "numpy", str(v.dtype), v.shape, v.tobytes()))
         elif isinstance(v, torch.Tensor):
             kind = f"param:{v.requires_grad}" if isinstance(v, torch.nn.Parameter) else "torch"
-            b = v.detach().reshape(-1).contiguous().view(torch.uint8)
+            b = v.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
             rows.append((k, kind, str(v.dtype), tuple(v.shape), b.numpy().tobytes()))
         else:
             rows.append((k, type(v).__name__, v))

@@ -282,3 +282,29 @@ def test_flat_containers_skip_the_pickler_and_come_back_the_same():
 
 
 SEPARATE_MIN_FOR_TEST = 16
+
+
+def test_conjugate_and_negative_views_travel_as_their_values():
+    """A conjugate view (x.conj()) and a negative view (x.conj().imag) keep their bit in the tensor, not in the
+    bytes that travel: alone, in a flat container (the map pass) and in a nested value, each arrives with its
+    values, and the producer keeps its own views."""
+    z = torch.complex(torch.arange(24.0), -torch.arange(24.0) * 2).reshape(4, 6)
+    flat = [z[i % 4].conj() if i % 2 else torch.ones(6, dtype=torch.complex64) for i in range(20)]
+    values = [z.conj(), z.conj().imag, flat, {f"k{i}": t for i, t in enumerate(flat)},
+              {"nested": [z.conj().imag, (z.conj(),)], "step": 3}]
+    for value in values:
+        f = flatten(value)
+        back = unflatten(f.skeleton, f.specs.rebuild(f.buffers))
+        pairs = list(zip(_leaves(back), _leaves(value)))
+        assert pairs and all(torch.equal(a, b) and not a.is_conj() and not a.is_neg() for a, b in pairs)
+        assert all(a is b for a, b in zip(_leaves(unflatten(f.skeleton, f.leaves)), _leaves(value)))
+
+
+def _leaves(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _leaves(v)]
+    return []
