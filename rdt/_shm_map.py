@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,25 +64,41 @@ def describe(spans: Sequence[Tuple[torch.Tensor, int, int]]) -> Optional[MapInfo
         if hi <= lo:
             parts.append((-1, 0))
             continue
-        if owner.device.type != "cpu":
+        if not owner.is_cpu:
             return None
         storage = owner.untyped_storage()
-        if not storage.is_shared():
-            return None
         base = storage.data_ptr()
         f = index.get(base)
         if f is None:
-            try:
-                fd = storage._get_shared_fd()  # raises for storages shared by file name, or not by torch
-                st = os.fstat(fd)
-            except (AttributeError, RuntimeError, OSError):
-                return None
-            if st.st_size != storage.nbytes():
-                return None
+            # Kept on the storage's Python object, which torch keeps for as long as the storage lives, as does
+            # the descriptor: weights published every step are described once (290 storages: 1.1 ms a step).
+            shared = getattr(storage, "_rdt_shared_file", None)
+            if shared is None:
+                shared = _shared_file(storage)
+                if shared is None:
+                    return None
+                try:
+                    storage._rdt_shared_file = shared
+                except (AttributeError, TypeError):  # a storage kind without attributes: described every time
+                    pass
             f = index[base] = len(files)
-            files.append(SharedFile(fd, st.st_dev, st.st_ino, st.st_size))
+            files.append(shared)
         parts.append((f, lo))
     return MapInfo(tuple(files), tuple(parts))
+
+
+def _shared_file(storage: Any) -> Optional[SharedFile]:
+    """The file torch shares ``storage`` through (by file descriptor), or None."""
+    if not storage.is_shared():
+        return None
+    try:
+        fd = storage._get_shared_fd()  # raises for storages shared by file name, or not by torch
+        st = os.fstat(fd)
+    except (AttributeError, RuntimeError, OSError):
+        return None
+    if st.st_size != storage.nbytes():
+        return None
+    return SharedFile(fd, st.st_dev, st.st_ino, st.st_size)
 
 
 def spans_of(tensors: Sequence[torch.Tensor]) -> List[Tuple[torch.Tensor, int, int]]:

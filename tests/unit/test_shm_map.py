@@ -42,6 +42,22 @@ def test_describe_needs_every_buffer_in_shared_memory():
     assert info.parts == ((0, 40), (0, 2000), (-1, 0))
 
 
+def test_a_storage_is_described_once_and_a_new_storage_afresh(monkeypatch):
+    """Weights published every step: the shared file behind each storage is looked up once (kept with the storage);
+    a storage made later, even at a reused address, gets its own file's description."""
+    calls: List[int] = []
+    real = _shm_map._shared_file
+    monkeypatch.setattr(_shm_map, "_shared_file", lambda s: calls.append(1) or real(s))
+    weights = [torch.full((256,), float(i)).share_memory_() for i in range(3)]
+    first = _describe(weights)
+    assert _describe(weights) == first and len(calls) == 3
+    del weights, first
+    again = torch.zeros(256).share_memory_()
+    info = _describe([again])
+    fd = again.untyped_storage()._get_shared_fd()
+    assert len(calls) == 4 and info.files[0].ino == os.fstat(fd).st_ino
+
+
 def test_storages_shared_by_file_name_are_left_alone():
     """Under torch's file_system strategy there is no descriptor to name: describe says None and moves nothing."""
     import torch.multiprocessing as tmp
