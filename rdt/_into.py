@@ -16,6 +16,7 @@ import torch
 from ._flatten import flat_keys, leaf_from_buffer, unflatten
 from ._meta import ObjectMeta
 from .errors import IntoMismatchError
+from .transports.base import Targets
 
 
 class _Slot:
@@ -206,9 +207,9 @@ _HINT = ("pass into= with the value's structure (or a flat list of every tensor 
          "with the object's shape and dtype and contiguous")
 
 
-def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
-    """Per buffer: the uint8 bytes of the one target that covers it exactly (the bytes land there), or None.
-    Reads the spec table's columns (a state dict's hundreds of leaves cost microseconds each otherwise)."""
+def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) -> Targets:
+    """Per buffer: the one target that covers it exactly (the bytes land there), or None. Reads the spec table's
+    columns (a state dict's hundreds of leaves cost microseconds each otherwise)."""
     specs, table = meta.specs, meta.buffers
     users = [0] * len(table)
     leaf_of = [-1] * len(table)
@@ -218,11 +219,13 @@ def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) ->
             leaf_of[b] = i
     device_types: Dict[str, str] = {}
     out: List[Optional[torch.Tensor]] = []
+    complete = True
     separate = specs.separate  # every leaf dense, at offset 0 of its own buffer: nothing to check per leaf
     for b, nbytes in enumerate(table.sizes):
         i = leaf_of[b]
         if users[b] != 1 or len(tensors[i]) != 1:
             out.append(None)
+            complete = False
             continue
         t = tensors[i][0]  # contiguous, with the leaf's shape and dtype (targets_for checked)
         dev = table.devices[b]
@@ -231,10 +234,11 @@ def landing_plan(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]]) ->
             kind = device_types[dev] = torch.device(dev).type
         if (separate or specs.offset[i] == 0 and _dense(specs.shape[i], specs.stride[i])) and t.nbytes == nbytes \
                 and t.device.type == kind:
-            out.append(t.detach().view(-1).view(torch.uint8))
+            out.append(t)
         else:
             out.append(None)
-    return tuple(out)
+            complete = False
+    return Targets(out, complete)
 
 
 def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -247,9 +251,11 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def fill(meta: ObjectMeta, buffers: List[torch.Tensor], tensors: Sequence[Sequence[torch.Tensor]],
+def fill(meta: ObjectMeta, buffers: Sequence[torch.Tensor], tensors: Sequence[Sequence[torch.Tensor]],
          landed: Sequence[Optional[torch.Tensor]]) -> None:
     """Copy into every target whose buffer did not land in it directly (cross-device, tied or shared storage)."""
+    if buffers is landed and isinstance(landed, Targets) and landed.complete:
+        return  # every buffer landed in its one target
     specs = meta.specs
     for i, (b, targets) in enumerate(zip(specs.buffer, tensors)):  # columns: no TensorSpec for a landed leaf
         if b < 0:

@@ -79,8 +79,8 @@ class Site:
     groups: Mapping[str, Any] = field(default_factory=dict)  # healthy common groups by backend name
     cuda_device: Optional[torch.device] = None  # this process's current CUDA device, if any
     # rdt.get(into=...): per buffer, the uint8 bytes of the target it lands in, or None (a receive_into transport
-    # fills these instead of allocating; see landing())
-    into: Tuple[Optional[torch.Tensor], ...] = ()
+    # fills these instead of allocating; see landing() and Targets)
+    into: Sequence[Optional[torch.Tensor]] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,37 @@ def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.de
     if device.type == "cpu":
         return ctx.buffers.empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class Targets(Sequence[Optional[torch.Tensor]]):
+    """Per buffer of an ``rdt.get(into=...)`` fetch: the caller's tensor its bytes land in, as uint8 bytes, or None
+    (it lands elsewhere and is copied in). Each uint8 view is made when first asked for: a transport that reads
+    into addresses (shm) makes none, and a model's hundreds of targets cost no tensor each."""
+
+    __slots__ = ("tensors", "complete", "_views")
+
+    def __init__(self, tensors: List[Optional[torch.Tensor]], complete: bool) -> None:
+        self.tensors = tensors  # contiguous, each with exactly its buffer's bytes
+        self.complete = complete  # every buffer has its target
+        self._views: List[Optional[torch.Tensor]] = [None] * len(tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        view = self._views[i]
+        if view is None:
+            t = self.tensors[i]
+            if t is None:
+                return None
+            view = self._views[i] = t.detach().view(-1).view(torch.uint8)  # the same view every time it is asked
+        return view
+
+    def addresses(self) -> List[int]:
+        """Each target's address (a complete set only; for readers that take raw pointers)."""
+        return list(map(torch.Tensor.data_ptr, self.tensors))  # type: ignore[arg-type]
 
 
 # Where each buffer of a block starts: every dtype's view of it is aligned (the widest element, complex128, is 16

@@ -23,7 +23,7 @@ from .. import _cma, _control, _shm, _shm_map
 from .._ready import wait_ready
 from .._meta import ObjectMeta
 from .._peer import control_request, died, err, freed, producer_alive
-from .base import BlockViews, Capabilities, Fetched, Served, Site, Transport, block_views, landing
+from .base import BlockViews, Capabilities, Fetched, Served, Site, Targets, Transport, block_views, landing
 
 logger = logging.getLogger("rdt")
 
@@ -57,7 +57,7 @@ class ShmTransport(Transport):
         info = desc.cma if desc is not None else None
         if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
             bufs = _landings(ctx, meta, site)
-            dests = bufs.addresses() if isinstance(bufs, BlockViews) else [b.data_ptr() for b in bufs]
+            dests = bufs.addresses() if isinstance(bufs, (BlockViews, Targets)) else [b.data_ptr() for b in bufs]
             try:
                 if desc.maps is not None and ctx.config.shm_map and _read_mapped(ctx, meta, desc.maps, info, dests):
                     return Fetched(bufs, "shm-map")
@@ -133,6 +133,8 @@ def _landings(ctx: Any, meta: ObjectMeta, site: Site) -> Sequence[torch.Tensor]:
     """Where a direct read lands: the caller's targets (rdt.get into=), else views of one block for all buffers
     (one allocation for an object of many tensors, instead of one per tensor)."""
     sizes = meta.buffers.sizes
+    if isinstance(site.into, Targets) and site.into.complete:
+        return site.into  # every buffer lands in its target (read at its address: no view made)
     if site.into or len(sizes) < 2:
         return [landing(ctx, site, i, n) for i, n in enumerate(sizes)]
     return block_views(ctx, sizes)

@@ -4,6 +4,7 @@ bounds (this process plays the producer: /proc/<own pid>/fd)."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from typing import List
 
@@ -40,6 +41,7 @@ def test_describe_needs_every_buffer_in_shared_memory():
     info = _describe([shared[10:20], shared[500:], torch.empty(0)])
     assert info is not None and len(info.files) == 1
     assert info.parts == ((0, 40), (0, 2000), (-1, 0))
+    assert pickle.loads(pickle.dumps(info)) == info  # as Ray carries it: two integer arrays
 
 
 def test_a_storage_is_described_once_and_a_new_storage_afresh(monkeypatch):
