@@ -26,7 +26,7 @@ from rdt_transports import _lifecycle
 from rdt_transports._memcopy import copy_parts
 
 from ._ready import wait_ready
-from .transports.base import SetupFailed, padded_offsets
+from .transports.base import SetupFailed, block_views, padded_offsets
 from ._nixl_targets import TargetRegistrations
 from ._storage_cache import StorageCache
 
@@ -603,8 +603,6 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
 def _read_block(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, timeout: float) -> Any:
     """The READ of an object of many DRAM buffers into one fresh block: one registration and no tensor per
     buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
-    from .transports.base import block_views
-
     descs = info.descs
     views = block_views(ctx, descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs])
     base = views.block.data_ptr()
