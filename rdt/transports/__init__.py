@@ -13,8 +13,8 @@ import threading
 from typing import Dict, List, Optional, Tuple, Type
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from .base import (BlockViews, Capabilities, Fetched, SetupFailed, Site, Transport, Unusable, block_views,
-                   device_types, landing)
+from .base import (BlockViews, Capabilities, Fetched, SetupFailed, Site, Targets, Transport, Unusable,
+                   block_views, device_types, landing)
 
 _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list them
     "gloo": ("rdt.transports.group", "GlooTransport"),
@@ -106,6 +106,6 @@ def unregister_transport(name: str) -> Optional[Transport]:
         return _user.pop(name, None)
 
 
-__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Transport", "Unusable",
-           "auto_chain", "device_types", "landing", "fallback", "get", "loaded", "names", "register_transport",
-           "self_contained", "unregister_transport"]
+__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Targets", "Transport",
+           "Unusable", "auto_chain", "device_types", "landing", "fallback", "get", "loaded", "names",
+           "register_transport", "self_contained", "unregister_transport"]
