@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-CHUNK = 1 << 20  # bytes per relayed message at most, as rdt_transports' pipelined broadcast
+CHUNK = 4 << 20  # bytes per relayed message at most: a 4-worker sync of 988 MB takes ~790 ms, ~850 with 1 MiB
+# chunks (four times the Gloo operations), and no less with 16 MiB ones (a longer pipeline fill)
 LOOKAHEAD = 8  # chunks a member waits for at once while nobody follows it (fewer wake-ups for a lone consumer)
 
 MODE_RELAY = 1
