@@ -8,17 +8,19 @@ else falls back to Ray's object store. Tensors are freed when the last reference
 Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` adds your own.
 """
 
-from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed Ray lacks a private API rdt needs)
-from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
-from . import _async_args, _batch
+# first: fails clearly if the installed Ray lacks a private API rdt needs
+from ._ray import hooks as _ray_hooks  # noqa: F401
+# installs the per-process context getter the transports and metadata use
+from ._process import context as _context  # noqa: F401
+from ._consumer import async_args as _async_args, parallel_fetch as _batch
 
 _batch.install()  # Ray's deserialization of several objects starts all their rdt fetches before waiting on any
 _async_args.install()  # an async actor method's ref arguments are fetched off its event loop
-from ._api import configure, create_collective_group, destroy_collective_group, stats
-from ._decorator import put, tensor_method
-from ._get import get, get_async, wait_tensor_freed
+from ._api.admin import configure, create_collective_group, destroy_collective_group, stats
+from ._api.tensor_method import put, tensor_method
+from ._api.get import get, get_async, wait_tensor_freed
 from .transports import register_transport
-from ._config import TRANSPORTS
+from ._process.config import TRANSPORTS
 from .errors import (
     IntoMismatchError,
     InvalidArgumentError,

@@ -147,7 +147,7 @@ class Peer:
 # ---------------------------------------------------------------------------------------------- worker side
 def table_state() -> Dict[str, int]:
     """(worker side) objects held and how many of them carry a NIXL registration."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     entries = get_context().table.entries()
     return {"objects": len(entries), "nixl": sum(1 for e in entries if e.exports.get("nixl") is not None),
@@ -156,14 +156,14 @@ def table_state() -> Dict[str, int]:
 
 def control_address() -> Optional[str]:
     """(worker side) this process's rdt control server address, starting it if needed."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     return get_context().producer_info().control_address
 
 
 def reap() -> int:
     """(worker side) one tick of the shm reaper every rdt process runs every 30 s."""
-    from rdt import _shm
+    from rdt.transports.shm import segments as _shm
 
     return _shm.reap_dead_owners()
 
@@ -192,7 +192,7 @@ def allreduce(name: str, value: float, timeout: float = 20.0, n: int = 4) -> Lis
 def hook_next_send(marker: str, stop_after_s: float = 0.0, freeze: bool = True) -> None:
     """(worker side, in a producer) after the next group fetch has posted its sends, wait ``stop_after_s``, touch
     ``marker`` and (``freeze``) SIGSTOP this whole process, so a test can kill it while the transfer is in flight."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     original = ctx._server._handlers[1]  # REQ_FETCH_GROUP
@@ -232,7 +232,7 @@ def sigkill(pid: int) -> None:
 
 
 def pid_gone(pid: int) -> bool:
-    from rdt._shm import pid_alive
+    from rdt.transports.shm.segments import pid_alive
 
     return not pid_alive(pid)
 

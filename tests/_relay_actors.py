@@ -90,7 +90,7 @@ class RelayNode:
 def hold_first_relay_post(marker: str) -> None:
     """(worker side, in a consumer) the next chained fetch posts its receives from a relay only once ``marker``
     exists (at most 30 s): the test kills that relay first, so the receives are posted to a peer already gone."""
-    from rdt.transports import group as group_transport
+    from rdt.transports.group import transport as group_transport
 
     cls = group_transport._RelayReceive
     original = cls._post

@@ -65,7 +65,7 @@ class BadNode:
 
     def freed(self, transport: str) -> List[Any]:
         """An object whose producer-side entry is already gone (test hook simulating the free/fetch race)."""
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         ctx = get_context()
         meta = ctx.produce({"w": torch.ones(N)}, transport)

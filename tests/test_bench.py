@@ -20,7 +20,7 @@ KiB = 1 << 10
 
 def _cma_expected() -> str:
     """What a same-node shm fetch is on this machine: a direct read where the kernel allows one, else a segment."""
-    from rdt import _cma
+    from rdt.transports.shm import cma as _cma
 
     return "cma" if _cma.supported() and _cma.yama_allows_siblings() else "shm-segment"
 

@@ -15,10 +15,11 @@ import weakref
 import pytest
 import torch
 
-from rdt import _cma, _nixl_objects
-from rdt._alloc import BufferPool
-from rdt._flatten import flatten
-from rdt._table import Entry, ObjectTable
+from rdt.transports.shm import cma as _cma
+from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.recv_buffers import BufferPool
+from rdt._objects.flatten import flatten
+from rdt._objects.table import Entry, ObjectTable
 
 from .conftest import HAS_NIXL
 

@@ -14,7 +14,7 @@ from typing import Any, List, Tuple
 import pytest
 import ray
 
-from rdt import _control
+from rdt._control import server as _control
 
 from ._object_actors import Node
 from .conftest import wait_for
@@ -141,7 +141,7 @@ def test_client_retries_once_when_a_pooled_connection_was_closed_by_the_server()
 def _control_state(_self: Any) -> Tuple[str, int, int]:
     import threading as th
 
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     info = ctx.producer_info()
@@ -246,7 +246,7 @@ def test_producer_waiting_on_a_consumer_that_fetches_from_it_does_not_deadlock(g
 
 def _deserialization_kinds(_self: Any) -> Tuple[bool, bool]:
     """In an actor: what rdt's probe says while Ray deserializes a ray.get value and a task argument."""
-    from rdt import _runtime
+    from rdt._ray import runtime as _runtime
 
     class Probe:
         def __reduce__(self) -> Any:

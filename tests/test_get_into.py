@@ -161,7 +161,7 @@ class Consumer:
         return 1
 
     def load(self, refs: List[Any], fill: float, flat: bool = False) -> Dict[str, Any]:
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         pool = get_context().buffers
         before = (pool.hits, pool.misses)
@@ -179,7 +179,7 @@ class Consumer:
 
     def load_shared(self, refs: List[Any], fill: float, into: bool) -> Dict[str, Any]:
         """Load a same-node object of shared weights; which path served it and the mappings kept afterwards."""
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         ctx = get_context()
         before = ctx.stats.paths_snapshot()
@@ -201,7 +201,7 @@ class Consumer:
         """Unmap idle mappings as the reaper would ``after_s`` seconds from now; the count left."""
         import time
 
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         maps = get_context().shm_maps
         maps.trim(now=time.monotonic() + after_s)
@@ -244,8 +244,8 @@ class Consumer:
         """The NIXL target registrations this process made and still holds (rdt.get(into=...) over NIXL)."""
         import gc
 
-        from rdt._context import get_context
-        from rdt._nixl_objects import agent
+        from rdt._process.context import get_context
+        from rdt.transports.nixl.read import agent
 
         gc.collect()
         t = agent(get_context()).targets
@@ -418,14 +418,14 @@ def test_into_a_state_dict_takes_the_keys_fast_path_and_still_refuses_every_mism
     """A flat state dict into a dict of targets (extra keys allowed): the leaves are the targets, by key, with no
     walk of the value's structure. A wrong shape, dtype or a missing key is refused naming the key, every target
     untouched."""
-    import rdt._into
+    import rdt._consumer.receive_into as receive_into
 
     p, _ = actors
     want = _flat_state(2.0)
     params = {k: torch.zeros_like(v) for k, v in reversed(list(want.items()))}  # another key order
     params["extra.buffer"] = torch.ones(3)
     with monkeypatch.context() as m:
-        m.setattr(rdt._into, "leaf_paths", lambda meta: pytest.fail("the structure was walked"))
+        m.setattr(receive_into, "leaf_paths", lambda meta: pytest.fail("the structure was walked"))
         value = rdt.get(p.state_dict.remote(2.0), into=params)
     assert list(value) == list(want) and all(value[k] is params[k] for k in want)
     assert all(torch.equal(params[k], v) for k, v in want.items()) and torch.equal(params["extra.buffer"], torch.ones(3))

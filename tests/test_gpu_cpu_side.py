@@ -16,9 +16,11 @@ import torch
 
 import rdt
 import rdt_transports
-from rdt import _consumer, _cuda_ipc, _nixl_objects
-from rdt._specs import BufferSpec
-from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
+from rdt._consumer import resolve as _consumer
+from rdt.transports.cuda_ipc import shares as _cuda_ipc
+from rdt.transports.nixl import read as _nixl_objects
+from rdt._objects.specs import BufferSpec
+from rdt._objects.meta import GroupRef, ObjectMeta, ProducerInfo
 from rdt.transports import Site
 from rdt.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedError
 

@@ -57,7 +57,7 @@ def freeze_consumer_on_next_fetch(consumer_pid: int, seconds: float) -> None:
     """(producer side) once the next group fetch has posted its sends, SIGSTOP the consumer for ``seconds``.
 
     The consumer then posts its receives (rdt's own code) only after it is resumed: a real slow consumer."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     ctx.producer_info()  # starts the control server
@@ -162,7 +162,7 @@ SEND_WAIT_BOUND = 16  # rdt-send-wait threads a producer may run at once, whatev
 def delay_fetch_responses(seconds: float, count: int) -> None:
     """(producer side) the next ``count`` group fetches post their sends at once but answer only ``seconds``
     later, so each consumer posts its receives late: ``count`` slow consumers at the same time."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     ctx.producer_info()
@@ -213,7 +213,7 @@ def stop_thread_sampler() -> Dict[str, int]:
 def produce_states(seeds: List[int], nbytes: int) -> List[Dict[str, Any]]:
     """(producer side) make one "gloo" object per seed; return each metadata's fields (a plain dict, so it
     crosses Ray without being fetched on the way)."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     return [dict(ctx.produce({"t": fa.pattern(s, nbytes), "seed": s}, "gloo").__dict__) for s in seeds]
@@ -221,9 +221,9 @@ def produce_states(seeds: List[int], nbytes: int) -> List[Dict[str, Any]]:
 
 def _fetch_state(state: Dict[str, Any]) -> str:
     """(consumer side) fetch one object by its metadata with rdt's own fetch code; the checksum of what came."""
-    from rdt import _consumer
-    from rdt._context import get_context
-    from rdt._meta import ObjectMeta
+    from rdt._consumer import resolve as _consumer
+    from rdt._process.context import get_context
+    from rdt._objects.meta import ObjectMeta
 
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", dict(state))

@@ -13,7 +13,7 @@ from typing import List
 
 import pytest
 
-from rdt import _shm
+from rdt.transports.shm import segments as _shm
 from rdt_transports._proc import pid_alive
 
 from .conftest import wait_for

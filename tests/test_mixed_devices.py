@@ -12,9 +12,14 @@ import pytest
 import ray
 import torch
 
-from rdt import _consumer, _context, _cuda_ipc, _nixl_objects, _producer, transports
-from rdt._specs import BufferSpec, BufferTable
-from rdt._meta import GroupRef, ObjectMeta, ProducerInfo
+from rdt._consumer import resolve as _consumer
+from rdt._process import context as _context
+from rdt.transports.cuda_ipc import shares as _cuda_ipc
+from rdt.transports.nixl import read as _nixl_objects
+from rdt._producer import produce as _producer
+from rdt import transports
+from rdt._objects.specs import BufferSpec, BufferTable
+from rdt._objects.meta import GroupRef, ObjectMeta, ProducerInfo
 from rdt.errors import UnsupportedError
 from rdt.transports import Site
 from rdt.transports.object_store import ObjectStoreTransport, buffer_devices

@@ -28,7 +28,7 @@ def test_pyproject_pins_the_ray_range_the_tests_ran_against() -> None:
 
 
 def test_every_private_hook_exists_in_the_installed_ray() -> None:
-    from rdt import _ray_hooks
+    from rdt._ray import hooks as _ray_hooks
 
     assert _ray_hooks.missing() == []
     assert _ray_hooks.SUPPORTED_RAY in (ROOT / "pyproject.toml").read_text()

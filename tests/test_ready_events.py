@@ -17,7 +17,7 @@ import ray
 import torch
 
 import rdt
-from rdt import _ready
+from rdt._objects import stream_ready as _ready
 
 from .conftest import HAS_NIXL
 
@@ -64,7 +64,7 @@ def _maker(transport: str):
 @ray.remote(num_cpus=0)
 class Producer:
     def __init__(self) -> None:
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         self.writes = _DeferredWrites()
         get_context().stream_discipline = _ready.Discipline(frozenset({"cpu"}), self.writes.event)
@@ -76,7 +76,7 @@ class Producer:
     make_auto = _maker("auto")
 
     def counts(self) -> dict:
-        from rdt._context import get_context
+        from rdt._process.context import get_context
 
         entries = get_context().table.entries()
         return {"recorded": self.writes.recorded, "synchronised": self.writes.synchronised,

@@ -30,8 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rdt_transports as rt
-from rdt import _control, _nixl_objects, _shm
-from rdt._control import MAX_FRAME, MAX_SKEW_MS, ProtocolError
+from rdt._control import server as _control
+from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.shm import segments as _shm
+from rdt._control.server import MAX_FRAME, MAX_SKEW_MS, ProtocolError
 
 from ._object_actors import Node
 from .conftest import wait_for
@@ -73,7 +75,7 @@ def _check_decode(body: bytes, key_for: Callable[[int, bytes], Optional[bytes]])
 def test_fuzz_decode_random_bytes(body: bytes) -> None:
     _check_decode(body, _key_for)
     # the real key selection of rdt's context (group keys are looked up from the payload before the MAC check)
-    from rdt._context import RdtContext
+    from rdt._process.context import RdtContext
 
     _check_decode(body, lambda k, p: RdtContext._key_for(SimpleNamespace(process_key=KEY), k, p))
 
@@ -338,7 +340,7 @@ def pickle_spy(monkeypatch):
 
     from ray import cloudpickle
 
-    import rdt._flatten as flat
+    import rdt._objects.flatten as flat
 
     for mod, name in ((pickle, "loads"), (pickle, "load"), (_pickle, "loads"), (_pickle, "load"),
                       (cloudpickle, "loads"), (cloudpickle, "load"), (flat, "unflatten")):
@@ -365,7 +367,7 @@ def test_control_server_never_unpickles_payloads(ray_cluster, tmp_path, pickle_s
     calls, _ = pickle_spy
     marker = tmp_path / "pwned"
     evil = pickle.dumps(_Evil(str(marker)))
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()  # the real handlers, in a server of our own
     srv = _control.ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
@@ -397,7 +399,7 @@ def test_decode_info_never_unpickles(tmp_path, pickle_spy) -> None:
 
 
 def _actor_control(_self: Any) -> Tuple[str, bytes, int]:
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     ctx = get_context()
     info = ctx.producer_info()
@@ -478,7 +480,7 @@ def _spawn_owner(tmp_path: Any) -> Tuple[subprocess.Popen, str]:
     out = tmp_path / "name"
     code = (
         "import sys, time, torch\n"
-        "from rdt import _shm\n"
+        "from rdt.transports.shm import segments as _shm\n"
         "seg = _shm.write_segment([torch.ones(4096, dtype=torch.uint8)])\n"
         f"open({str(out)!r} + '.tmp', 'w').write(seg.name)\n"
         "import os; os.rename(" + repr(str(out) + ".tmp") + ", " + repr(str(out)) + ")\n"
@@ -515,10 +517,10 @@ def test_reaper_removes_segments_of_killed_owner(tmp_path) -> None:
 
 
 def test_consumer_unlinks_segment_of_dead_owner(tmp_path) -> None:
-    from rdt._meta import ObjectMeta, ProducerInfo
+    from rdt._objects.meta import ObjectMeta, ProducerInfo
     from rdt.errors import ProducerDiedError
     from rdt.transports import Site
-    from rdt.transports.shm import ShmDescriptor, ShmTransport
+    from rdt.transports.shm.transport import ShmDescriptor, ShmTransport
 
     proc, name = _spawn_owner(tmp_path)
     _kill(proc)
@@ -548,7 +550,7 @@ def _destroy(_self: Any, name: str) -> None:
 
 def _meta_fields(_self: Any) -> List[bytes]:
     """Everything an rdt object's metadata carries, as bytes, except Ray handles (token, actor)."""
-    from rdt._context import get_context
+    from rdt._process.context import get_context
 
     meta = get_context().produce({"w": torch.ones(1 << 16)}, "gloo")
     blobs = [pickle.dumps({k: v for k, v in meta.__dict__.items() if k not in ("token", "producer", "store_ref")})]

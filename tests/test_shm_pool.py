@@ -14,9 +14,9 @@ import ray
 import torch
 
 import rdt
-from rdt import _shm
-from rdt._alloc import BufferPool, ParallelCopier
-from rdt._shm_pool import SegmentPool
+from rdt.transports.shm import segments as _shm
+from rdt.transports.recv_buffers import BufferPool, ParallelCopier
+from rdt.transports.shm.segment_pool import SegmentPool
 
 from .conftest import wait_for
 

@@ -35,7 +35,7 @@ def test_every_builtin_transport_declares_capabilities():
 def test_cores_name_no_transport():
     """The producer and consumer cores dispatch only through the registry: no transport name appears in them."""
     names = {n for n in transports.names() if n != "auto"}
-    for module in ("_producer.py", "_consumer.py", "_context.py"):
+    for module in ("_producer/produce.py", "_consumer/resolve.py", "_process/context.py"):
         tree = ast.parse((ROOT / "rdt" / module).read_text())
         found = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names}
         assert not found, f"rdt/{module} names transports {found}: dispatch through rdt.transports instead"

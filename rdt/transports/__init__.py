@@ -17,14 +17,14 @@ from .base import (BlockViews, Capabilities, Fetched, SetupFailed, Site, Targets
                    block_views, device_types, landing)
 
 _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list them
-    "gloo": ("rdt.transports.group", "GlooTransport"),
-    "nccl": ("rdt.transports.group", "NcclTransport"),
-    "nixl": ("rdt.transports.nixl", "NixlTransport"),
-    "shm": ("rdt.transports.shm", "ShmTransport"),
-    "cuda_ipc": ("rdt.transports.cuda_ipc", "CudaIpcTransport"),
+    "gloo": ("rdt.transports.group.transport", "GlooTransport"),
+    "nccl": ("rdt.transports.group.transport", "NcclTransport"),
+    "nixl": ("rdt.transports.nixl.transport", "NixlTransport"),
+    "shm": ("rdt.transports.shm.transport", "ShmTransport"),
+    "cuda_ipc": ("rdt.transports.cuda_ipc.transport", "CudaIpcTransport"),
     "object_store": ("rdt.transports.object_store", "ObjectStoreTransport"),
     "inline": ("rdt.transports.inline", "InlineTransport"),
-    "ucx": ("rdt.transports.group", "UcxTransport"),
+    "ucx": ("rdt.transports.group.transport", "UcxTransport"),
 }
 
 _lock = threading.Lock()

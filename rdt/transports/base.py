@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List
 import torch
 
 if TYPE_CHECKING:
-    from .._meta import ObjectMeta
-    from .._table import Entry
+    from .._objects.meta import ObjectMeta
+    from .._objects.table import Entry
 
 Handler = Callable[[Any, int, bytes], Tuple[Any, ...]]  # (ctx, key id, payload) -> (response type, payload[, stream])
 Served = Tuple[Handler, Tuple[int, ...]]  # a handler and the control keys (_control.KEY_*) allowed to call it

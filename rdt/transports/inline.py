@@ -10,8 +10,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .._meta import ObjectMeta
-from .._ready import wait_ready
+from .._objects.meta import ObjectMeta
+from .._objects.stream_ready import wait_ready
 from .base import Capabilities, Fetched, Site, Transport
 
 

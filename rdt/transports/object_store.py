@@ -15,10 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import ray
 import torch
 
-from .. import _control
-from .._meta import ObjectMeta
-from .._ready import wait_ready
-from .._peer import control_request, died, err, producer_alive
+from .._control import server as _control
+from .._objects.meta import ObjectMeta
+from .._objects.stream_ready import wait_ready
+from .._control.peer import control_request, died, err, producer_alive
 from ..errors import ObjectFetchError
 from .base import Capabilities, Fetched, Served, Site, Transport, landing
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, List
 import pytest
 import torch
 
-from rdt._alloc import HUGE_MIN_BYTES, POOL_MIN_BYTES, BufferPool
-from rdt._table import ObjectTable
+from rdt.transports.recv_buffers import HUGE_MIN_BYTES, POOL_MIN_BYTES, BufferPool
+from rdt._objects.table import ObjectTable
 
 JOIN_S = 10.0
 
@@ -139,7 +139,7 @@ def _gc_restored() -> Any:
 def test_unmapper_finalizer_only_enqueues_and_its_thread_stops() -> None:
     import mmap
 
-    from rdt._shm import DeferredUnmapper
+    from rdt.transports.shm.segments import DeferredUnmapper
 
     unmapper = DeferredUnmapper()
     view: List[Any] = [unmapper.adopt(mmap.mmap(-1, 1 << 20))]

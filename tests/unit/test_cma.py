@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 import torch
 
-from rdt import _cma
+from rdt.transports.shm import cma as _cma
 from rdt_transports import _cma as low_cma
 
 pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")

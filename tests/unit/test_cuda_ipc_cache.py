@@ -12,7 +12,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from rdt import _cuda_ipc
+from rdt.transports.cuda_ipc import shares as _cuda_ipc
 
 
 class _Torch:

@@ -11,9 +11,9 @@ import weakref
 
 import torch
 
-from rdt._consumer import keep_alive
-from rdt._flatten import leaf_from_buffer
-from rdt._specs import KIND_NUMPY, KIND_TORCH, TensorSpec
+from rdt._consumer.resolve import keep_alive
+from rdt._objects.flatten import leaf_from_buffer
+from rdt._objects.specs import KIND_NUMPY, KIND_TORCH, TensorSpec
 
 
 class _Token:

@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-from rdt import _nixl_objects
-from rdt._alloc import BufferPool
-from rdt._flatten import flatten
-from rdt._table import Entry
+from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.recv_buffers import BufferPool
+from rdt._objects.flatten import flatten
+from rdt._objects.table import Entry
 
 from ..conftest import HAS_NIXL
 

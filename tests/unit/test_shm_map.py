@@ -11,7 +11,7 @@ from typing import List
 import pytest
 import torch
 
-from rdt import _cma, _shm_map
+from rdt.transports.shm import cma as _cma, shared_maps as _shm_map
 
 pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")
 

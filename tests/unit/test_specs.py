@@ -10,8 +10,8 @@ import pytest
 
 import torch
 
-from rdt._flatten import flatten, unflatten
-from rdt._specs import BufferSpec, BufferTable, SpecTable, TensorSpec
+from rdt._objects.flatten import flatten, unflatten
+from rdt._objects.specs import BufferSpec, BufferTable, SpecTable, TensorSpec
 from rdt.transports.base import BlockViews, padded_offsets
 
 from .._object_actors import leaf_digests, many_tensors
@@ -65,7 +65,7 @@ def test_plain_leaves_in_one_block_take_the_direct_path_and_match():
 
 
 def test_packed_messages_cover_every_buffer_once_in_order():
-    from rdt.transports.group import PACK_BELOW, PACK_MAX, messages
+    from rdt.transports.group.transport import PACK_BELOW, PACK_MAX, messages
 
     sizes = [4096] * 1500 + [PACK_BELOW, 10, 3, 1 << 24, 7] + [PACK_BELOW - 1] * 40
     plan = messages(sizes)
@@ -80,7 +80,7 @@ def test_packed_messages_cover_every_buffer_once_in_order():
 
 
 def test_gather_copies_many_ranges_within_the_process():
-    from rdt._cma import gather
+    from rdt.transports.shm.cma import gather
 
     src = [torch.arange(i + 1, dtype=torch.uint8) for i in range(3000)]
     dst = torch.zeros(sum(t.numel() for t in src), dtype=torch.uint8)
@@ -93,7 +93,7 @@ def test_gather_copies_many_ranges_within_the_process():
 
 
 def test_packed_staging_holds_each_buffer_at_its_block_offset_and_zeros_between():
-    from rdt.transports.group import _packed_sends, messages
+    from rdt.transports.group.transport import _packed_sends, messages
 
     leaves = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in (10, 3, 64, 1, 100)]  # gaps after 10, 3, 1, ...
     flat = flatten(leaves)
@@ -108,7 +108,7 @@ def test_packed_staging_holds_each_buffer_at_its_block_offset_and_zeros_between(
 
 def _general(value):
     """flatten() forced onto the general per-leaf pass."""
-    import rdt._flatten as F
+    import rdt._objects.flatten as F
 
     keep = F.SEPARATE_MIN
     F.SEPARATE_MIN = 1 << 30
@@ -133,7 +133,7 @@ def _same(a, b, separate: bool = True) -> None:
 def test_separate_leaves_take_the_map_pass_and_match_the_general_pass():
     """A state dict of separate contiguous CPU tensors is flattened by map() over torch's methods; the result is
     the general pass's, byte for byte, with one or several dtypes and any shapes."""
-    import rdt._flatten as F
+    import rdt._objects.flatten as F
 
     one = {f"layers.{i}.w": torch.full((4, 8 + i), float(i)) for i in range(40)}
     mixed = [torch.full((i + 1,), i, dtype=(torch.bfloat16, torch.float32, torch.int64)[i % 3]) for i in range(40)]
@@ -152,7 +152,7 @@ def test_separate_leaves_take_the_map_pass_and_match_the_general_pass():
 def test_leaves_the_map_pass_cannot_take_fall_back_to_the_general_pass():
     """Views of one storage, an offset view, a non-contiguous leaf, an empty leaf, a Parameter: the general pass
     (which shares buffers between views and keeps kinds) serves the value, and the result is the same."""
-    import rdt._flatten as F
+    import rdt._objects.flatten as F
 
     base = [torch.arange(64, dtype=torch.float32) + i for i in range(20)]
     cases = {
@@ -186,7 +186,7 @@ def test_a_separate_object_landed_back_to_back_is_cut_in_one_call():
     """Leaves whose sizes are multiples of ALIGN land back to back; the consumer cuts them from the block with one
     split (1-D leaves) plus a view (others): the same values, shapes and dtypes as the per-leaf path, and views of
     the block, not copies."""
-    import rdt._specs as S
+    import rdt._objects.specs as S
 
     value = [torch.arange(1048, dtype=torch.float32) + i for i in range(30)] + \
             [torch.full((4, 8), 2.0), torch.full((2, 2, 2, 2), 3.0), torch.tensor(5.0)]  # 0-d: 4 bytes, see below
@@ -213,7 +213,7 @@ def test_a_separate_object_landed_back_to_back_is_cut_in_one_call():
 
 def test_a_separate_object_with_gaps_or_several_dtypes_takes_the_per_leaf_path():
     """Sizes that leave padding between buffers, or two dtypes: no cut; the per-leaf path rebuilds it right."""
-    import rdt._specs as S
+    import rdt._objects.specs as S
 
     gaps = [torch.full((3,), float(i)) for i in range(20)]  # 12 bytes each: padded to 16
     mixed = [torch.full((8,), i, dtype=(torch.float32, torch.int64)[i % 2]) for i in range(20)]
@@ -233,7 +233,7 @@ def test_flat_containers_skip_the_pickler_and_come_back_the_same():
     flattened without a pickler walk; unflatten gives the same type, keys, attributes and tensors."""
     import collections
 
-    import rdt._flatten as F
+    import rdt._objects.flatten as F
 
     ts = [torch.full((3, i + 1), float(i)) for i in range(20)]
     model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(10)])

@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 
-from rdt._storage_cache import StorageCache
+from rdt.transports.storage_cache import StorageCache
 
 
 class _Log:

@@ -11,11 +11,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import _control, _nixl_objects
-from .._meta import ObjectMeta
-from .._peer import control_request, died, err, probe, unreachable
-from ..errors import ObjectFetchError
-from .base import Capabilities, Fetched, Served, Site, Transport, Unusable
+from ..._control import server as _control
+from . import read as _nixl_objects
+from ..._objects.meta import ObjectMeta
+from ..._control.peer import control_request, died, err, probe, unreachable
+from ...errors import ObjectFetchError
+from ..base import Capabilities, Fetched, Served, Site, Transport, Unusable
 
 
 class NixlTransport(Transport):

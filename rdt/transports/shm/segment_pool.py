@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import _shm
-from ._alloc import ParallelCopier
+from . import segments as _shm
+from ..recv_buffers import ParallelCopier
 
 _GRAIN = 1 << 20  # capacities are rounded up to this, so objects of nearly equal size share segments
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from ray import cloudpickle
 
-from ._specs import KIND_CUPY, KIND_NUMPY, KIND_PARAMETER, KIND_TORCH, BufferTable, SpecTable, TensorSpec
+from .specs import KIND_CUPY, KIND_NUMPY, KIND_PARAMETER, KIND_TORCH, BufferTable, SpecTable, TensorSpec
 
 
 class Flattened:

@@ -18,7 +18,7 @@ import inspect
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Dict, Optional, Tuple
 
-from ._meta import ObjectMeta
+from .._objects.meta import ObjectMeta
 
 
 class DeferredArg:
@@ -40,7 +40,7 @@ class Deferral:
 
     def defer(self, ctx: Any, meta: ObjectMeta) -> DeferredArg:
         """Start fetching ``meta`` now (the same ref passed twice is fetched once)."""
-        from ._meta import resolve_or_error
+        from .._objects.meta import resolve_or_error
 
         self.made += 1
         arg = self._args.get(meta.obj_id)
@@ -53,8 +53,8 @@ class Deferral:
 def applies(caller: Any) -> bool:
     """Whether a ``deserialize_objects`` call reached from ``caller`` (a code object, or None) is Ray
     deserializing the arguments of an actor method whose executor rdt wrapped, on the actor's event loop."""
-    from ._ray_hooks import current_actor_method, executors_of
-    from ._runtime import is_get_objects
+    from .._ray.hooks import current_actor_method, executors_of
+    from .._ray.runtime import is_get_objects
 
     if caller is not None and is_get_objects(caller):
         return False  # a ray.get (also one a coroutine calls, blocking the loop by its own choice)
@@ -143,6 +143,6 @@ def _wrap_make(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def install() -> None:
     """Wrap Ray's actor-method executor factory in this process (once)."""
-    from ._ray_hooks import wrap_actor_method_executor
+    from .._ray.hooks import wrap_actor_method_executor
 
     wrap_actor_method_executor(_wrap_make)

@@ -18,13 +18,15 @@ import torch
 
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cuda_ipc, _into, transports
-from ._flatten import unflatten
-from ._meta import ObjectMeta
-from ._peer import died, freed, probe, unreachable
-from ._runtime import called_by_ray_get, in_actor, node_id, task_id
-from .errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
-from .transports import Fetched, SetupFailed, Site, Transport
+from ..transports.cuda_ipc import shares as _cuda_ipc
+from . import receive_into as _into
+from .. import transports
+from .._objects.flatten import unflatten
+from .._objects.meta import ObjectMeta
+from .._control.peer import died, freed, probe, unreachable
+from .._ray.runtime import called_by_ray_get, in_actor, node_id, task_id
+from ..errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
+from ..transports import Fetched, SetupFailed, Site, Transport
 
 logger = logging.getLogger("rdt")
 

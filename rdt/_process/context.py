@@ -23,15 +23,20 @@ import ray
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
 
-from . import _cma, _consumer, _control, _producer, _ready, _shm, _shm_map, transports
-from ._alloc import BufferPool
-from ._shm_pool import SegmentPool
-from ._config import RdtConfig
-from ._meta import GroupRef, ObjectMeta, ProducerInfo
-from ._peer import err
-from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
-from ._table import Entry, ObjectTable
-from .transports import _relay
+from ..transports.shm import cma as _cma, segments as _shm, shared_maps as _shm_map
+from .._consumer import resolve as _consumer
+from .._control import server as _control
+from .._producer import produce as _producer
+from .._objects import stream_ready as _ready
+from .. import transports
+from ..transports.recv_buffers import BufferPool
+from ..transports.shm.segment_pool import SegmentPool
+from .config import RdtConfig
+from .._objects.meta import GroupRef, ObjectMeta, ProducerInfo
+from .._control.peer import err
+from .._ray.hooks import worker_mode  # a private Ray API, checked when rdt is imported
+from .._objects.table import Entry, ObjectTable
+from ..transports.group import relay as _relay
 
 logger = logging.getLogger("rdt")
 
@@ -187,7 +192,7 @@ class RdtContext:
             actor, actor_id = None, ""
         host = ray.util.get_node_ip_address()
         self._server = _control.ControlServer(host, self._key_for, self.control_handlers())
-        from . import _nixl_objects
+        from ..transports.nixl import read as _nixl_objects
 
         return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
                             self.process_key, actor, actor_id, _nixl_objects.available())

@@ -6,20 +6,20 @@ import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _transport(name: str) -> Any:
-    from . import transports
+    from .. import transports
 
     return transports.get(name)
 
 
 def _check_transport(transport: Any) -> str:
     """A transport name this process knows and that may be named (built in, or registered by the user)."""
-    from . import transports
+    from .. import transports
 
     name = transport.lower() if isinstance(transport, str) else None
     known = [n for n in transports.names() if n == "auto" or transports.get(n).capabilities.explicit]
@@ -40,7 +40,7 @@ def _check_timeout(timeout: Optional[float]) -> Optional[float]:
 
 def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int,
              ipc_map: bool = False) -> Any:
-    from ._context import get_context
+    from .._process.context import get_context
 
     ctx = get_context()
     extra = {"ipc_map": True} if ipc_map else {}
@@ -134,6 +134,6 @@ def put(value: Any, tensor_transport: str = "auto", *, snapshot: bool = False, t
             "rdt.put must be called inside an actor (the tensors stay in the calling actor)",
             hint="call it in an actor method, or use ray.put on the driver",
         )
-    from ._context import get_context
+    from .._process.context import get_context
 
     return ray.put(get_context().produce(value, transport, snapshot=snapshot, timeout=seconds))

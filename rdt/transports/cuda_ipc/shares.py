@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._storage_cache import StorageCache
+from ..storage_cache import StorageCache
 
 logger = logging.getLogger("rdt")
 
@@ -226,7 +226,7 @@ def _open(b: IpcBuffer, index: int) -> torch.Tensor:
 def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
           map_only: Optional[bool] = None) -> List[torch.Tensor]:
     """Open (and by default copy) every buffer; raises RuntimeError when a handle cannot be opened."""
-    from .errors import UnsupportedError
+    from ...errors import UnsupportedError
 
     visible = visible_devices()
     missing = [b.device_uuid for b in info.buffers if b.device_uuid not in visible]

@@ -19,11 +19,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import _cma, _control, _shm, _shm_map
-from .._ready import wait_ready
-from .._meta import ObjectMeta
-from .._peer import control_request, died, err, freed, producer_alive
-from .base import BlockViews, Capabilities, Fetched, Served, Site, Targets, Transport, block_views, landing
+from . import cma as _cma, segments as _shm, shared_maps as _shm_map
+from ..._control import server as _control
+from ..._objects.stream_ready import wait_ready
+from ..._objects.meta import ObjectMeta
+from ..._control.peer import control_request, died, err, freed, producer_alive
+from ..base import BlockViews, Capabilities, Fetched, Served, Site, Targets, Transport, block_views, landing
 
 logger = logging.getLogger("rdt")
 

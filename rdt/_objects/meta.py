@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ._specs import BufferTable, SpecTable
+from .specs import BufferTable, SpecTable
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _rebuild(state: dict) -> Any:
     """Runs in the receiving process during deserialization: fetch the tensors and rebuild the value."""
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", state)
-    from .transports.base import context
+    from ..transports.base import context
 
     ctx = context()
     if getattr(ctx.deferring, "on", False):  # rdt.get asked Ray for the metadata itself (it fetches afterwards)
@@ -98,7 +98,7 @@ def _rebuild(state: dict) -> Any:
 
 def resolve_or_error(ctx: Any, meta: ObjectMeta, **where: Any) -> Any:
     """The value ``meta`` stands for, or (for rdt's typed errors) a RayTaskError value Ray raises as such."""
-    from .errors import RdtError
+    from ..errors import RdtError
 
     try:
         return ctx.resolve(meta, **where)

@@ -13,7 +13,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional
 
-from ._meta import ObjectMeta
+from .._objects.meta import ObjectMeta
 
 MAX_PARALLEL = 8  # fetches of one deserialization that run at once (as rdt.get)
 
@@ -57,7 +57,7 @@ class Batch:
         return pending
 
     def _start(self, ctx: Any, meta: ObjectMeta) -> "Future[Any]":
-        from ._meta import resolve_or_error
+        from .._objects.meta import resolve_or_error
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL, thread_name_prefix="rdt-deser")
@@ -65,7 +65,7 @@ class Batch:
 
     def _run_here(self, pending: Pending) -> None:
         """Fetch a lone object on this thread (as a completed future, so errors are handed back alike)."""
-        from ._meta import resolve_or_error
+        from .._objects.meta import resolve_or_error
 
         future: "Future[Any]" = Future()
         try:
@@ -104,9 +104,9 @@ def _outcome(future: "Future[Any]") -> Any:
 def _wrap(original: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
     def deserialize_objects(self: Any, serialized_objects: Any, object_refs: Any, *args: Any,
                             **kwargs: Any) -> List[Any]:
-        from ._async_args import DeferredArg, Deferral, applies
-        from ._context import get_context
-        from ._runtime import in_actor, is_get_objects, task_id
+        from .async_args import DeferredArg, Deferral, applies
+        from .._process.context import get_context
+        from .._ray.runtime import in_actor, is_get_objects, task_id
 
         try:
             caller = sys._getframe(1).f_code
@@ -162,7 +162,7 @@ def _redo_nested(made: int, values: List[Any], is_placeholder: Callable[[Any], b
 
 def install() -> None:
     """Wrap Ray's ``Worker.deserialize_objects`` in this process (once)."""
-    from ._ray_hooks import wrap_deserialize_objects
+    from .._ray.hooks import wrap_deserialize_objects
 
     wrap_deserialize_objects(_wrap)
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import struct
 from typing import Any, Optional, Tuple
 
-from . import _control, _shm
-from ._meta import ObjectMeta
-from ._runtime import node_id
-from .errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
+from . import server as _control
+from ..transports.shm import segments as _shm
+from .._objects.meta import ObjectMeta
+from .._ray.runtime import node_id
+from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
 
 
 def probe(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> Tuple[str, str]:

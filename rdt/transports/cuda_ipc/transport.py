@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .. import _cuda_ipc
-from .._meta import ObjectMeta
-from .._ready import wait_ready
-from ..errors import UnsupportedError
-from .base import Capabilities, Fetched, Site, Transport, Unusable
+from . import shares as _cuda_ipc
+from ..._objects.meta import ObjectMeta
+from ..._objects.stream_ready import wait_ready
+from ...errors import UnsupportedError
+from ..base import Capabilities, Fetched, Site, Transport, Unusable
 
 logger = logging.getLogger("rdt")
 

@@ -11,12 +11,13 @@ import logging
 import secrets
 from typing import Any, List, Optional, Tuple
 
-from . import _ready, transports
-from ._flatten import Flattened, flatten
-from ._meta import ObjectMeta
-from ._ray_hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
-from ._table import Entry
-from .errors import UnsupportedError
+from .._objects import stream_ready as _ready
+from .. import transports
+from .._objects.flatten import Flattened, flatten
+from .._objects.meta import ObjectMeta
+from .._ray.hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
+from .._objects.table import Entry
+from ..errors import UnsupportedError
 
 logger = logging.getLogger("rdt")
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence
 import rdt_transports
 from rdt_transports import GroupHandle
 
-from .errors import CollectiveTimeoutError, InvalidArgumentError, PeerUnavailableError
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, PeerUnavailableError
 
 
 def create_collective_group(actors: Sequence[Any], backend: str = "gloo", name: Optional[str] = None, *,
@@ -28,7 +28,7 @@ def destroy_collective_group(group: GroupHandle, *, timeout: float = rdt_transpo
 
 
 def _local_stats(_actor: Any = None) -> Dict[str, Any]:
-    from ._context import get_context
+    from .._process.context import get_context
 
     return get_context().local_stats()
 
@@ -76,8 +76,8 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 
     import ray.experimental.internal_kv as kv
 
-    from . import _control
-    from ._context import KV_NAMESPACE, get_context, stats_kv_key
+    from .._control import server as _control
+    from .._process.context import KV_NAMESPACE, get_context, stats_kv_key
 
     raw = kv._internal_kv_get(stats_kv_key(actor_id), namespace=KV_NAMESPACE)
     if raw is None:
@@ -122,7 +122,7 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
     the producer sends it about once), and from what size; a consumer and its producer both have to allow it.
     ``relay_stall_timeout``: seconds (times its place in the chain) a chained consumer waits for a chunk from the
     consumer before it, then asks the producer."""
-    from ._context import get_context
+    from .._process.context import get_context
 
     ctx = get_context()
     changes: Dict[str, Any] = {}

@@ -13,10 +13,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._flatten import flat_keys, leaf_from_buffer, unflatten
-from ._meta import ObjectMeta
-from .errors import IntoMismatchError
-from .transports.base import Targets
+from .._objects.flatten import flat_keys, leaf_from_buffer, unflatten
+from .._objects.meta import ObjectMeta
+from ..errors import IntoMismatchError
+from ..transports.base import Targets
 
 
 class _Slot:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import ray
 
-from ._ray_hooks import worker_mode  # a private Ray API, checked when rdt is imported
+from .hooks import worker_mode  # a private Ray API, checked when rdt is imported
 
 
 def node_id() -> str:
@@ -55,7 +55,7 @@ def called_by_ray_get() -> bool:
     tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
     fails when Ray changes this.
     """
-    from ._batch import is_wrapper
+    from .._consumer.parallel_fetch import is_wrapper
 
     frame = sys._getframe(1)
     for _ in range(64):  # bounded: the value is at most a few dozen frames below Ray's entry point

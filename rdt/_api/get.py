@@ -15,14 +15,14 @@ from typing import Any, List, Sequence
 
 import torch
 
-from ._meta import ObjectMeta
-from .errors import InvalidArgumentError, TensorInUseError, TransferTimeoutError
+from .._objects.meta import ObjectMeta
+from ..errors import InvalidArgumentError, TensorInUseError, TransferTimeoutError
 
 MAX_PARALLEL = 8  # fetches of one rdt.get([...]) that run at once
 
 
 def _context() -> Any:
-    from ._context import get_context
+    from .._process.context import get_context
 
     return get_context()
 
@@ -50,7 +50,7 @@ def _one(meta: Any, into: Any, deadline: float) -> Any:
         return meta
     ctx = _context()
     left = max(deadline - time.monotonic(), 1e-3)
-    from ._consumer import resolve, resolve_into
+    from .._consumer.resolve import resolve, resolve_into
 
     if into is None:
         return resolve(ctx, meta, timeout=left)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ._flatten import Flattened
+from .flatten import Flattened
 
 
 def _enqueue_dead(dead: "queue.SimpleQueue[Tuple[int, ...]]", key: Tuple[int, ...], _ref: Any) -> None:

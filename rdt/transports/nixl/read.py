@@ -25,14 +25,14 @@ import torch
 from rdt_transports import _lifecycle
 from rdt_transports._memcopy import copy_parts
 
-from ._ready import wait_ready
-from .transports.base import SetupFailed, block_views, padded_offsets
-from ._nixl_targets import TargetRegistrations
-from ._storage_cache import StorageCache
+from ..._objects.stream_ready import wait_ready
+from ..base import SetupFailed, block_views, padded_offsets
+from .targets import TargetRegistrations
+from ..storage_cache import StorageCache
 
 if TYPE_CHECKING:
-    from ._context import RdtContext
-    from ._table import Entry
+    from ..._process.context import RdtContext
+    from ..._objects.table import Entry
 
 _available: Optional[bool] = None
 

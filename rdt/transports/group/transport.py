@@ -27,14 +27,14 @@ from rdt_transports._context import get_context as get_transport_context
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, GroupDestroyedError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from .. import _cma, _control
-from .._meta import GroupRef, ObjectMeta
-from .._ready import wait_ready
-from .._peer import control_request, died, err, producer_alive
-from ..errors import NoCollectiveGroupError, ObjectFetchError
-from . import _relay
-from .base import ALIGN, Capabilities, Fetched, Served, Site, Transport, Unusable, block_views, landing, \
-    padded_offsets
+from ..shm import cma as _cma
+from ..._control import server as _control
+from ..._objects.meta import GroupRef, ObjectMeta
+from ..._objects.stream_ready import wait_ready
+from ..._control.peer import control_request, died, err, producer_alive
+from ...errors import NoCollectiveGroupError, ObjectFetchError
+from . import relay as _relay
+from ..base import ALIGN, Capabilities, Fetched, Served, Site, Transport, Unusable, block_views, landing, padded_offsets
 
 logger = logging.getLogger("rdt")
 

@@ -1,0 +1,1 @@
+"""The public API's implementation: tensor_method and put, get, and the admin calls (groups, stats, configure)."""

@@ -1,0 +1,1 @@
+"""The object model: metadata, specs, flattening, the object table and ready events."""

@@ -1,0 +1,1 @@
+"""This process's rdt state: the context that holds everything, its settings and its stats."""

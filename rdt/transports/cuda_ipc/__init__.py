@@ -1,0 +1,1 @@
+"""CUDA IPC objects: a same-node consumer opens the producer's GPU memory."""

@@ -1,0 +1,1 @@
+"""NIXL objects: one-sided READs of the producer's registered buffers."""

@@ -1,0 +1,1 @@
+"""Same-node objects: shared storages, direct reads of the producer's memory, segments."""
