@@ -10,17 +10,15 @@ Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` 
 
 # first: fails clearly if the installed Ray lacks a private API rdt needs
 from ._ray import hooks as _ray_hooks  # noqa: F401
-# installs the per-process context getter the transports and metadata use
-from ._process import context as _context  # noqa: F401
-from ._consumer import async_args as _async_args, parallel_fetch as _batch
+from ._consumer import async_args as _async_args, parallel_fetch as _batch, unpickle as _unpickle
 
+_unpickle.install()  # an rdt object's metadata, unpickled in this process, fetches its tensors
 _batch.install()  # Ray's deserialization of several objects starts all their rdt fetches before waiting on any
 _async_args.install()  # an async actor method's ref arguments are fetched off its event loop
 from ._api.admin import configure, create_collective_group, destroy_collective_group, stats
 from ._api.tensor_method import put, tensor_method
 from ._api.get import get, get_async, wait_tensor_freed
 from .transports import register_transport
-from ._process.config import TRANSPORTS
 from .errors import (
     IntoMismatchError,
     InvalidArgumentError,
@@ -40,3 +38,13 @@ __all__ = [
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
     "TransferTimeoutError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``rdt.TRANSPORTS``: what ``tensor_transport=`` accepts in this process, from the registry (built-in
+    transports, then those registered here, then "auto"), so that a registered transport is listed too."""
+    if name == "TRANSPORTS":
+        from .transports import explicit_names
+
+        return explicit_names()
+    raise AttributeError(f"module 'rdt' has no attribute {name!r}")

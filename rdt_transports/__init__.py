@@ -6,6 +6,10 @@ send/recv/broadcast/allreduce/reduce/allgather/gather/scatter/reducescatter/allt
 or cupy arrays in place. Every blocking call takes ``timeout=`` and fails with a typed error from
 :mod:`rdt_transports.errors`; p2p-only backends (nixl, ucx, tcp) build collectives with ring / bde / tree algorithms
 (``algorithm=``), which also run on Gloo for comparison.
+
+The object layer (``rdt``) uses this package through this public API (``local_groups`` and ``metrics`` are for
+it) and four shared helpers, kept private here: ``_lifecycle`` (threads, exit and fork hooks), ``_proc`` (process
+liveness, owner locks), ``_memcopy`` (GIL-free copies) and ``_cma`` (``process_vm_readv``).
 """
 
 from .collective import (
@@ -24,6 +28,8 @@ from .collective import (
     get_rank,
     init_collective_group,
     is_group_initialized,
+    local_groups,
+    metrics,
     recv,
     reduce,
     reducescatter,
@@ -59,7 +65,7 @@ def capabilities(backend: str) -> Capabilities:
 __all__ = [
     "DEFAULT_TIMEOUT_S", "GroupHandle", "CollectiveGroup", "Capabilities", "GroupState", "ReduceOp",
     "init_collective_group", "create_collective_group", "destroy_collective_group", "is_group_initialized",
-    "get_rank", "get_collective_group_size", "get_group", "capabilities", "backend_names",
+    "get_rank", "get_collective_group_size", "get_group", "local_groups", "metrics", "capabilities", "backend_names",
     "send", "recv", "broadcast", "allreduce", "reduce", "allgather", "gather", "scatter", "reducescatter",
     "alltoall", "barrier",
     "RdtError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",

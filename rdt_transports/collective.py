@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ._context import ABORT_KEY, get_context
+from ._metrics import Metrics
 from ._rendezvous import Rendezvous
 from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError
 from .group import CollectiveGroup
@@ -83,6 +84,16 @@ def get_collective_group_size(group_name: str = "default") -> int:
 def get_group(group_name: str = "default") -> CollectiveGroup:
     """The group object (for its lifecycle: state, errored(), abort(), destroy())."""
     return get_context().get(group_name)
+
+
+def local_groups() -> List[CollectiveGroup]:
+    """Every collective group this process is a member of now (e.g. for a layer above to find a common one)."""
+    return get_context().groups()
+
+
+def metrics() -> Metrics:
+    """This process's metrics recorder (Ray metrics of collective ops; a layer above records its transfers too)."""
+    return get_context().metrics
 
 
 # ---------------------------------------------------------------------- groups, from the driver

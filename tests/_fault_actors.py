@@ -232,7 +232,7 @@ def sigkill(pid: int) -> None:
 
 
 def pid_gone(pid: int) -> bool:
-    from rdt.transports.shm.segments import pid_alive
+    from rdt_transports._proc import pid_alive
 
     return not pid_alive(pid)
 

@@ -66,9 +66,10 @@ class BadNode:
     def freed(self, transport: str) -> List[Any]:
         """An object whose producer-side entry is already gone (test hook simulating the free/fetch race)."""
         from rdt._process.context import get_context
+        from rdt._producer.produce import produce
 
         ctx = get_context()
-        meta = ctx.produce({"w": torch.ones(N)}, transport)
+        meta = produce(ctx, {"w": torch.ones(N)}, transport)
         ctx.table.free(meta.obj_id)
         return [ray.put(meta)]
 

@@ -8,8 +8,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
-import types
 import weakref
 
 import pytest
@@ -17,10 +15,10 @@ import torch
 
 from rdt.transports.shm import cma as _cma
 from rdt.transports.nixl import read as _nixl_objects
-from rdt.transports.recv_buffers import BufferPool
 from rdt._objects.flatten import flatten
 from rdt._objects.table import Entry, ObjectTable
 
+from ._bare_context import BareContext
 from .conftest import HAS_NIXL
 
 STEPS = 10_000
@@ -65,7 +63,7 @@ def test_cma_denied_pids_stay_bounded() -> None:
 
 _FORGET = r"""
 import os, signal, sys, time
-from rdt import _cma
+from rdt.transports.shm import cma as _cma
 target = int(sys.argv[1])
 os.setgid(65534); os.setuid(65534)  # another user than the target, without CAP_SYS_PTRACE
 r = _cma.CmaReader()
@@ -102,10 +100,9 @@ def test_cma_forgets_a_denied_pid_once_that_process_died() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ NIXL
-def _nixl_ctx() -> types.SimpleNamespace:
-    """The parts of an RdtContext the NIXL object path uses: its agent slot, lock, identity and receive pool."""
-    return types.SimpleNamespace(nixl=None, _lock=threading.Lock(), instance=secrets.token_bytes(8),
-                                 buffers=BufferPool(0, 1.0))
+def _nixl_ctx() -> BareContext:
+    """The parts of an RdtContext the NIXL object path uses: its agent slot, identity and receive pool."""
+    return BareContext()
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")

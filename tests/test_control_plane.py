@@ -14,7 +14,10 @@ from typing import Any, List, Tuple
 import pytest
 import ray
 
-from rdt._control import server as _control
+from rdt._control import wire as _control
+from rdt._control.client import ControlClient
+from rdt._control.server import ControlServer
+from rdt.transports.shm.transport import REQ_PREPARE_SHM
 
 from ._object_actors import Node
 from .conftest import wait_for
@@ -54,21 +57,21 @@ def _closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
-def _ping(client: _control.ControlClient, address: str) -> Tuple[int, bytes]:
+def _ping(client: ControlClient, address: str) -> Tuple[int, bytes]:
     return client.request(address, _control.REQ_PING, _control.KEY_PROCESS, KEY, b"", 5.0)
 
 
 def test_flood_of_idle_and_half_frame_connections_is_capped_and_timed_out() -> None:
     threads0 = threading.active_count()
-    srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"pong")},
+    srv = ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"pong")},
                                  max_conns=64, idle_timeout=3.0, frame_timeout=1.0)
-    client = _control.ControlClient()
+    client = ControlClient()
     socks: List[socket.socket] = []
     try:
         socks = _flood(srv.address, FLOOD)
         # real requests are served during the flood, on fresh connections each time
         for _ in range(20):
-            fresh = _control.ControlClient()
+            fresh = ControlClient()
             try:
                 assert _ping(fresh, srv.address) == (_control.RESP_OK, b"pong")
             finally:
@@ -88,7 +91,7 @@ def test_flood_of_idle_and_half_frame_connections_is_capped_and_timed_out() -> N
 
 
 def test_slow_peer_frame_timeout_counts_as_rejected() -> None:
-    srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
+    srv = ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  frame_timeout=0.5)
     try:
         before = srv.rejected
@@ -105,11 +108,11 @@ def test_slow_peer_frame_timeout_counts_as_rejected() -> None:
 
 
 def test_client_pool_stays_bounded_over_10000_requests_to_many_addresses() -> None:
-    srv = _control.ControlServer("0.0.0.0", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
+    srv = ControlServer("0.0.0.0", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  max_conns=512)
     port = _host_port(srv.address)[1]
     addresses = [f"127.0.0.{i}:{port}" for i in range(1, 201)]  # all of 127/8 is loopback on Linux
-    client = _control.ControlClient(max_idle_per_address=2, max_idle_total=32, idle_ttl=0.5)
+    client = ControlClient(max_idle_per_address=2, max_idle_total=32, idle_ttl=0.5)
     try:
         peak = 0
         for step in range(10_000):
@@ -125,9 +128,9 @@ def test_client_pool_stays_bounded_over_10000_requests_to_many_addresses() -> No
 
 
 def test_client_retries_once_when_a_pooled_connection_was_closed_by_the_server() -> None:
-    srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
+    srv = ControlServer("127.0.0.1", _key_for, {_control.REQ_PING: lambda _k, _p: (_control.RESP_OK, b"")},
                                  idle_timeout=0.5)
-    client = _control.ControlClient()
+    client = ControlClient()
     try:
         assert _ping(client, srv.address)[0] == _control.RESP_OK
         assert wait_for(lambda: not srv._conns, timeout=10)  # the server dropped the pooled connection
@@ -276,11 +279,11 @@ def test_streamed_bytes_arrive_whole_and_are_authenticated() -> None:
     def serve(_k: int, _p: bytes) -> Tuple:
         return _control.RESP_OK, b"hdr", _control.Stream([memoryview(d) for d in data], time.monotonic() + 10)
 
-    srv = _control.ControlServer("127.0.0.1", _key_for, {_control.REQ_PREPARE_SHM: serve})
-    client = _control.ControlClient()
+    srv = ControlServer("127.0.0.1", _key_for, {REQ_PREPARE_SHM: serve})
+    client = ControlClient()
     try:
         dest = [bytearray(len(d)) for d in data]
-        resp = client.request(srv.address, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS, KEY, b"", 10.0,
+        resp = client.request(srv.address, REQ_PREPARE_SHM, _control.KEY_PROCESS, KEY, b"", 10.0,
                               alloc=lambda t, h: [memoryview(b) for b in dest])
         assert resp == (_control.RESP_OK, b"hdr") and [bytes(b) for b in dest] == data
     finally:
@@ -306,10 +309,10 @@ def test_streamed_bytes_arrive_whole_and_are_authenticated() -> None:
 
     t = threading.Thread(target=fake_server, daemon=True)
     t.start()
-    client = _control.ControlClient()
+    client = ControlClient()
     try:
         with pytest.raises(_control.ProtocolError, match="bad MAC"):
-            client.request(f"127.0.0.1:{lsock.getsockname()[1]}", _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,
+            client.request(f"127.0.0.1:{lsock.getsockname()[1]}", REQ_PREPARE_SHM, _control.KEY_PROCESS,
                            KEY, b"", 10.0, alloc=lambda t, h: [memoryview(bytearray(len(d))) for d in data])
     finally:
         client.close()

@@ -41,25 +41,26 @@ _FORK_SCRIPT = textwrap.dedent(
     """
     import os, sys, secrets
     import torch
-    from rdt import _shm
-    from rdt._context import get_context
-    from rdt._flatten import flatten
-    from rdt._table import Entry
+    from rdt.transports.shm import segments as _shm
+    from rdt.transports.shm.state import state as shm_state
+    from rdt._process.context import get_context
+    from rdt._objects.flatten import flatten
+    from rdt._objects.table import Entry
 
     ctx = get_context()
     obj_id = secrets.token_bytes(16)
     flat = flatten(torch.arange(1 << 16, dtype=torch.float32))
     entry = Entry(obj_id, flat, "shm")
-    seg = entry.exports["shm"] = ctx.shm_pool.write(flat.buffers, obj_id)
+    seg = entry.exports["shm"] = shm_state(ctx).pool.write(flat.buffers, obj_id)
     ctx.table.add(entry)
-    spare = ctx.shm_pool.write(flat.buffers, secrets.token_bytes(16))
-    ctx.shm_pool.release(spare)  # a pooled, free segment
-    assert spare.name in ctx.shm_pool.names()
+    spare = shm_state(ctx).pool.write(flat.buffers, secrets.token_bytes(16))
+    shm_state(ctx).pool.release(spare)  # a pooled, free segment
+    assert spare.name in shm_state(ctx).pool.names()
 
     pid = os.fork()
     if pid == 0:  # the child: fresh state, then a normal interpreter exit (exit hooks run)
         fresh = get_context()
-        ok = fresh is not ctx and len(fresh.table) == 0 and fresh.shm_pool.names() == []
+        ok = fresh is not ctx and len(fresh.table) == 0 and shm_state(fresh).pool.names() == []
         print("CHILD_FRESH=" + str(ok), flush=True)
         sys.exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)

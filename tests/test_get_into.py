@@ -180,6 +180,7 @@ class Consumer:
     def load_shared(self, refs: List[Any], fill: float, into: bool) -> Dict[str, Any]:
         """Load a same-node object of shared weights; which path served it and the mappings kept afterwards."""
         from rdt._process.context import get_context
+        from rdt.transports.shm.state import state as shm_state
 
         ctx = get_context()
         before = ctx.stats.paths_snapshot()
@@ -188,7 +189,7 @@ class Consumer:
         return {"values": all(bool((value[k] == v).all()) for k, v in _state(fill).items()),
                 "same": all(value[k] is self.params[k] for k in self.params),
                 "paths": {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)},
-                "maps": len(ctx.shm_maps)}
+                "maps": len(shm_state(ctx).maps)}
 
     def try_load_shared(self, refs: List[Any], fill: float) -> str:
         """load_shared, or the name of the error it raised."""
@@ -202,8 +203,9 @@ class Consumer:
         import time
 
         from rdt._process.context import get_context
+        from rdt.transports.shm.state import state as shm_state
 
-        maps = get_context().shm_maps
+        maps = shm_state(get_context()).maps
         maps.trim(now=time.monotonic() + after_s)
         return len(maps)
 

@@ -21,7 +21,7 @@ from rdt.transports.cuda_ipc import shares as _cuda_ipc
 from rdt.transports.nixl import read as _nixl_objects
 from rdt._objects.specs import BufferSpec
 from rdt._objects.meta import GroupRef, ObjectMeta, ProducerInfo
-from rdt.transports import Site
+from rdt.transports import Site, receive
 from rdt.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedError
 
 NO_CUDA = not torch.cuda.is_available()
@@ -31,7 +31,8 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 # ------------------------------------------------------------------------------------------------ helpers
 def _meta(device: str = "cuda:0", *, node: str = "node-A", nixl: bool = False, groups=(), ipc=None,
           transport: str = "auto") -> ObjectMeta:
-    producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32, nixl)
+    producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32,
+                            frozenset() if nixl else frozenset({"nixl"}))
     exports = (("cuda_ipc", ipc),) if ipc is not None else ()
     return ObjectMeta(b"\x01" * 16, transport, producer, b"", (), (BufferSpec(1 << 20, device),), tuple(groups),
                       None, exports)
@@ -150,9 +151,9 @@ def test_auto_cpu_order_unchanged():
 
 
 def test_gpu_objects_come_to_cpu_in_a_process_without_cuda(monkeypatch):
-    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: None)
+    monkeypatch.setattr(receive, "target_device", lambda: None)
     assert _consumer.site_for(_meta()).cuda_device is None
-    monkeypatch.setattr(_cuda_ipc, "target_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(receive, "target_device", lambda: torch.device("cuda", 0))
     assert _consumer.site_for(_meta()).cuda_device == torch.device("cuda", 0)
     assert _consumer.site_for(_meta("cpu")).cuda_device is None  # CPU objects never ask for a GPU
 

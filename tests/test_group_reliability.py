@@ -214,9 +214,10 @@ def produce_states(seeds: List[int], nbytes: int) -> List[Dict[str, Any]]:
     """(producer side) make one "gloo" object per seed; return each metadata's fields (a plain dict, so it
     crosses Ray without being fetched on the way)."""
     from rdt._process.context import get_context
+    from rdt._producer.produce import produce
 
     ctx = get_context()
-    return [dict(ctx.produce({"t": fa.pattern(s, nbytes), "seed": s}, "gloo").__dict__) for s in seeds]
+    return [dict(produce(ctx, {"t": fa.pattern(s, nbytes), "seed": s}, "gloo").__dict__) for s in seeds]
 
 
 def _fetch_state(state: Dict[str, Any]) -> str:

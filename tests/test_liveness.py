@@ -23,7 +23,7 @@ NS_PID = 3_999_990  # the owner's pid inside its namespace will be NS_PID + 1: n
 
 _OWNER = r"""
 import sys, time, torch
-from rdt import _shm
+from rdt.transports.shm import segments as _shm
 from rdt_transports.backends._shm_barrier import ShmBarrier
 seg = _shm.write_segment([torch.ones(4096, dtype=torch.uint8)])
 barrier = ShmBarrier("liveness", 0, 2, b"k" * 32)
@@ -105,7 +105,7 @@ def test_sigkilled_owner_files_are_reaped_and_live_ones_kept() -> None:
 
 _FORKED = r"""
 import os, sys, torch
-from rdt import _shm
+from rdt.transports.shm import segments as _shm
 from rdt_transports import _proc
 parent = _shm.write_segment([torch.ones(8, dtype=torch.uint8)])
 r, w = os.pipe()

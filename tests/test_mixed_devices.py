@@ -29,7 +29,8 @@ MIXED = ("cuda:0", "cpu")
 
 def _meta(devices=MIXED, *, transport: str = "auto", nixl: bool = False, groups=(), store_ref=None,
           node: str = "node-A") -> ObjectMeta:
-    producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32, nixl)
+    producer = ProducerInfo(b"p" * 8, 1234, node, "127.0.0.1:1", b"k" * 32, None, "a" * 32,
+                            frozenset() if nixl else frozenset({"nixl"}))
     exports = (("object_store", store_ref),) if store_ref is not None else ()
     return ObjectMeta(b"\x02" * 16, transport, producer, b"", (), tuple(BufferSpec(64, d) for d in devices),
                       tuple(groups), None, exports)

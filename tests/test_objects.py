@@ -13,7 +13,7 @@ import ray
 import torch
 
 import rdt
-from rdt.transports.shm.segments import pid_alive
+from rdt_transports._proc import pid_alive
 from rdt.errors import InvalidArgumentError, NoCollectiveGroupError, ProducerDiedError
 
 from ._object_actors import AsyncNode, Node, leaf_digests, many_tensors

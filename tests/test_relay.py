@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import rdt
-from rdt.transports.shm.segments import pid_alive
+from rdt_transports._proc import pid_alive
 
 from ._relay_actors import RelayNode, digests, hold_first_relay_post, nbytes, relay_state
 from .conftest import wait_for

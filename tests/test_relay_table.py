@@ -10,7 +10,7 @@ from typing import Any, List, Tuple
 import torch
 
 from rdt.transports.group import relay as _relay
-from rdt.transports.group.transport import _message_sizes, messages
+from rdt.transports.group.protocol import message_sizes as _message_sizes, messages
 
 OBJ, UID = b"o" * 16, "ab" * 16
 

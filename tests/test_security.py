@@ -30,10 +30,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rdt_transports as rt
-from rdt._control import server as _control
+from rdt._control import wire as _control
+from rdt._control.client import ControlClient
+from rdt._control.server import ControlServer
+from rdt.transports.group.protocol import REQ_FETCH_GROUP, REQ_RELAY_NEXT
+from rdt.transports.nixl.transport import REQ_PREPARE_NIXL
+from rdt.transports.shm.transport import REQ_PREPARE_SHM
 from rdt.transports.nixl import read as _nixl_objects
 from rdt.transports.shm import segments as _shm
-from rdt._control.server import MAX_FRAME, MAX_SKEW_MS, ProtocolError
+from rdt._control.wire import MAX_FRAME, MAX_SKEW_MS, ProtocolError
 
 from ._object_actors import Node
 from .conftest import wait_for
@@ -170,9 +175,9 @@ class _Recorder:
 @pytest.fixture()
 def server():
     rec = _Recorder()
-    srv = _control.ControlServer("127.0.0.1", _key_for, {
+    srv = ControlServer("127.0.0.1", _key_for, {
         _control.REQ_PING: rec.handler(_control.REQ_PING),
-        _control.REQ_PREPARE_SHM: rec.handler(_control.REQ_PREPARE_SHM),
+        REQ_PREPARE_SHM: rec.handler(REQ_PREPARE_SHM),
     })
     yield srv, rec
     srv.close()
@@ -205,7 +210,7 @@ def send_raw(address: str, data: bytes, *, close_write: bool = True, timeout: fl
 
 def _valid_ping(address: str, key: bytes = KEY, key_id: int = _control.KEY_PROCESS, payload: bytes = b"",
                 msg_type: int = _control.REQ_PING) -> Tuple[int, bytes]:
-    client = _control.ControlClient()
+    client = ControlClient()
     try:
         return client.request(address, msg_type, key_id, key, payload, 10.0)
     finally:
@@ -249,14 +254,14 @@ def test_bad_frame_rejected_server_keeps_serving(server, kind: str) -> None:
 
 def test_replayed_nonce_rejected(server) -> None:
     srv, rec = server
-    data = frame(msg_type=_control.REQ_PREPARE_SHM, payload=b"o" * 16)
+    data = frame(msg_type=REQ_PREPARE_SHM, payload=b"o" * 16)
     first = send_raw(srv.address, data)
     assert len(first) > 4 and len(rec.calls) == 1  # answered once
     before = srv.rejected
     assert send_raw(srv.address, data) == b""  # same bytes again, new connection
     assert wait_for(lambda: srv.rejected == before + 1, timeout=10)
     # and on the same connection: second copy kills it after the first answer
-    data2 = frame(msg_type=_control.REQ_PREPARE_SHM, payload=b"p" * 16)
+    data2 = frame(msg_type=REQ_PREPARE_SHM, payload=b"p" * 16)
     out = send_raw(srv.address, data2 + data2)
     assert len(out) > 4 and len(rec.calls) == 2
     assert wait_for(lambda: srv.rejected == before + 2, timeout=10)
@@ -370,10 +375,10 @@ def test_control_server_never_unpickles_payloads(ray_cluster, tmp_path, pickle_s
     from rdt._process.context import get_context
 
     ctx = get_context()  # the real handlers, in a server of our own
-    srv = _control.ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
+    srv = ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
     try:
-        for msg in (_control.REQ_FETCH_GROUP, _control.REQ_PREPARE_SHM, _control.REQ_PREPARE_NIXL,
-                    _control.REQ_RELAY_NEXT):
+        for msg in (REQ_FETCH_GROUP, REQ_PREPARE_SHM, REQ_PREPARE_NIXL,
+                    REQ_RELAY_NEXT):
             for payload in (evil, evil[:16], b"\0" * 16 + evil, evil + b"\0" * 40):
                 resp_type, resp = _valid_ping(srv.address, ctx.process_key, payload=payload, msg_type=msg)
                 assert resp_type == _control.RESP_ERR  # not found / malformed, answered in binary
@@ -425,12 +430,12 @@ def test_real_actor_control_server(pair, tmp_path) -> None:
     marker = f"/tmp/rdt-sec-{os.getpid()}-{time.monotonic_ns()}"
     evil = pickle.dumps(_Evil(marker))
     bad = _bad_frames()
-    bad["evil payload, wrong key"] = frame(_control.REQ_PREPARE_SHM, key=b"w" * 32, payload=evil)
+    bad["evil payload, wrong key"] = frame(REQ_PREPARE_SHM, key=b"w" * 32, payload=evil)
     for data in bad.values():
         assert send_raw(address, data) == b""
     # evil payloads with the right key: answered (object not found), never unpickled
-    for msg in (_control.REQ_PREPARE_SHM, _control.REQ_FETCH_GROUP, _control.REQ_PREPARE_NIXL,
-                _control.REQ_RELAY_NEXT):
+    for msg in (REQ_PREPARE_SHM, REQ_FETCH_GROUP, REQ_PREPARE_NIXL,
+                REQ_RELAY_NEXT):
         assert _valid_ping(address, key, payload=evil, msg_type=msg)[0] == _control.RESP_ERR
     assert _valid_ping(address, key) == (_control.RESP_OK, b"")
 
@@ -524,7 +529,7 @@ def test_consumer_unlinks_segment_of_dead_owner(tmp_path) -> None:
 
     proc, name = _spawn_owner(tmp_path)
     _kill(proc)
-    producer = ProducerInfo(b"\0" * 8, proc.pid, "node", "127.0.0.1:1", b"k" * 32, None, "", False)
+    producer = ProducerInfo(b"\0" * 8, proc.pid, "node", "127.0.0.1:1", b"k" * 32, None, "", frozenset({"nixl"}))
     desc = ShmDescriptor(segment=_shm.Segment(name, ((0, 4096),), 4096))
     meta = ObjectMeta(obj_id=b"\1" * 16, transport="shm", producer=producer, skeleton=b"", specs=(), buffers=(),
                       groups=(), token=None, exports=(("shm", desc),))
@@ -551,8 +556,9 @@ def _destroy(_self: Any, name: str) -> None:
 def _meta_fields(_self: Any) -> List[bytes]:
     """Everything an rdt object's metadata carries, as bytes, except Ray handles (token, actor)."""
     from rdt._process.context import get_context
+    from rdt._producer.produce import produce
 
-    meta = get_context().produce({"w": torch.ones(1 << 16)}, "gloo")
+    meta = produce(get_context(), {"w": torch.ones(1 << 16)}, "gloo")
     blobs = [pickle.dumps({k: v for k, v in meta.__dict__.items() if k not in ("token", "producer", "store_ref")})]
     p = meta.producer
     blobs.append(pickle.dumps((p.instance, p.pid, p.node_id, p.control_address, p.process_key, p.actor_id)))
@@ -582,18 +588,18 @@ def test_group_secrets_distinct_and_not_in_metadata(pair) -> None:
         # the control channel's group key: a fetch request for group sec-1 must be MACed with its secret
         address, _, rejected0 = ray.get(a.__ray_call__.remote(_actor_control), timeout=60)
         payload = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!IIIB", 1, 0, 1000, 0)  # rank, tags, ms, packed
-        assert send_raw(address, frame(_control.REQ_FETCH_GROUP, _control.KEY_GROUP, s2, payload)) == b""
+        assert send_raw(address, frame(REQ_FETCH_GROUP, _control.KEY_GROUP, s2, payload)) == b""
         assert wait_for(lambda: ray.get(a.__ray_call__.remote(_actor_control), timeout=30)[2] == rejected0 + 1,
                         timeout=20)
-        resp_type, resp = _valid_ping(address, s1, _control.KEY_GROUP, payload, _control.REQ_FETCH_GROUP)
+        resp_type, resp = _valid_ping(address, s1, _control.KEY_GROUP, payload, REQ_FETCH_GROUP)
         assert resp_type == _control.RESP_ERR and struct.unpack("!H", resp[:2])[0] == _control.ERR_NOT_FOUND
         # whom a chained consumer forwards to: asked with the group's secret only, answered from the producer's
         # own chain table only (an unknown chain: nobody)
         nxt = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!IQIB", 1, 12345, 10, 0)  # rank, chain, ms, final
-        assert send_raw(address, frame(_control.REQ_RELAY_NEXT, _control.KEY_GROUP, s2, nxt)) == b""
+        assert send_raw(address, frame(REQ_RELAY_NEXT, _control.KEY_GROUP, s2, nxt)) == b""
         assert wait_for(lambda: ray.get(a.__ray_call__.remote(_actor_control), timeout=30)[2] == rejected0 + 2,
                         timeout=20)
-        assert _valid_ping(address, s1, _control.KEY_GROUP, nxt, _control.REQ_RELAY_NEXT) == \
+        assert _valid_ping(address, s1, _control.KEY_GROUP, nxt, REQ_RELAY_NEXT) == \
             (_control.RESP_OK, struct.pack("!iI", -1, 0))
     finally:
         h1.destroy(timeout=30)

@@ -29,8 +29,9 @@ def destroy_collective_group(group: GroupHandle, *, timeout: float = rdt_transpo
 
 def _local_stats(_actor: Any = None) -> Dict[str, Any]:
     from .._process.context import get_context
+    from .._process.stats import local_stats
 
-    return get_context().local_stats()
+    return local_stats(get_context())
 
 
 def _empty_stats() -> Dict[str, Any]:
@@ -76,8 +77,9 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 
     import ray.experimental.internal_kv as kv
 
-    from .._control import server as _control
-    from .._process.context import KV_NAMESPACE, get_context, stats_kv_key
+    from .._control import wire as _control
+    from .._process.context import get_context
+    from .._process.stats import KV_NAMESPACE, stats_kv_key
 
     raw = kv._internal_kv_get(stats_kv_key(actor_id), namespace=KV_NAMESPACE)
     if raw is None:
@@ -142,10 +144,6 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"pool_bytes must be an int >= 0 (bytes), got {pool_bytes!r}",
                                        hint="pass e.g. rdt.configure(pool_bytes=0) to keep no idle memory for reuse")
         changes["pool_bytes"] = int(pool_bytes)
-        for pool in (ctx.shm_pool, ctx.buffers):
-            pool.max_bytes = int(pool_bytes)
-            if pool_bytes == 0:
-                pool.close()
     if shm_cma is not None:
         if not isinstance(shm_cma, bool):
             raise InvalidArgumentError(f"shm_cma must be True or False, got {shm_cma!r}",
@@ -172,4 +170,4 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"relay_stall_timeout must be a number of seconds > 0, got "
                                        f"{relay_stall_timeout!r}", hint="pass e.g. rdt.configure(relay_stall_timeout=5.0)")
         changes["relay_stall_timeout"] = float(relay_stall_timeout)
-    ctx.config = ctx.config.updated(**changes)
+    ctx.configure(ctx.config.updated(**changes))  # the pools take a new pool_bytes at once

@@ -22,7 +22,7 @@ def _check_transport(transport: Any) -> str:
     from .. import transports
 
     name = transport.lower() if isinstance(transport, str) else None
-    known = [n for n in transports.names() if n == "auto" or transports.get(n).capabilities.explicit]
+    known = transports.explicit_names()
     if name not in known:
         raise InvalidArgumentError(
             f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in known)
@@ -41,12 +41,13 @@ def _check_timeout(timeout: Optional[float]) -> Optional[float]:
 def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int,
              ipc_map: bool = False) -> Any:
     from .._process.context import get_context
+    from .._producer.produce import produce
 
     ctx = get_context()
     extra = {"ipc_map": True} if ipc_map else {}
     if num_returns > 1 and isinstance(value, (tuple, list)) and len(value) == num_returns:
-        return type(value)(ctx.produce(v, transport, snapshot=snapshot, timeout=timeout, **extra) for v in value)
-    return ctx.produce(value, transport, snapshot=snapshot, timeout=timeout, **extra)
+        return type(value)(produce(ctx, v, transport, snapshot=snapshot, timeout=timeout, **extra) for v in value)
+    return produce(ctx, value, transport, snapshot=snapshot, timeout=timeout, **extra)
 
 
 def tensor_method(
@@ -135,5 +136,6 @@ def put(value: Any, tensor_transport: str = "auto", *, snapshot: bool = False, t
             hint="call it in an actor method, or use ray.put on the driver",
         )
     from .._process.context import get_context
+    from .._producer.produce import produce
 
-    return ray.put(get_context().produce(value, transport, snapshot=snapshot, timeout=seconds))
+    return ray.put(produce(get_context(), value, transport, snapshot=snapshot, timeout=seconds))

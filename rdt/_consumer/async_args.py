@@ -40,7 +40,7 @@ class Deferral:
 
     def defer(self, ctx: Any, meta: ObjectMeta) -> DeferredArg:
         """Start fetching ``meta`` now (the same ref passed twice is fetched once)."""
-        from .._objects.meta import resolve_or_error
+        from .unpickle import resolve_or_error
 
         self.made += 1
         arg = self._args.get(meta.obj_id)

@@ -57,7 +57,7 @@ class Batch:
         return pending
 
     def _start(self, ctx: Any, meta: ObjectMeta) -> "Future[Any]":
-        from .._objects.meta import resolve_or_error
+        from .unpickle import resolve_or_error
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL, thread_name_prefix="rdt-deser")
@@ -65,7 +65,7 @@ class Batch:
 
     def _run_here(self, pending: Pending) -> None:
         """Fetch a lone object on this thread (as a completed future, so errors are handed back alike)."""
-        from .._objects.meta import resolve_or_error
+        from .unpickle import resolve_or_error
 
         future: "Future[Any]" = Future()
         try:
@@ -165,11 +165,3 @@ def install() -> None:
     from .._ray.hooks import wrap_deserialize_objects
 
     wrap_deserialize_objects(_wrap)
-
-
-def is_wrapper(code: Any) -> bool:
-    """Whether ``code`` is the wrapper's (so frame walks can look through it)."""
-    return code is _WRAPPER_CODE
-
-
-_WRAPPER_CODE = _wrap(lambda *a, **k: []).__code__

@@ -16,7 +16,7 @@ import torch
 from .._objects.flatten import flat_keys, leaf_from_buffer, unflatten
 from .._objects.meta import ObjectMeta
 from ..errors import IntoMismatchError
-from ..transports.base import Targets
+from ..transports.receive import Targets
 
 
 class _Slot:

@@ -16,9 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rdt_transports._context import get_context as get_transport_context
+import rdt_transports
 
-from ..transports.cuda_ipc import shares as _cuda_ipc
 from . import receive_into as _into
 from .. import transports
 from .._objects.flatten import unflatten
@@ -27,6 +26,7 @@ from .._control.peer import died, freed, probe, unreachable
 from .._ray.runtime import called_by_ray_get, in_actor, node_id, task_id
 from ..errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
 from ..transports import Fetched, SetupFailed, Site, Transport
+from ..transports import receive
 
 logger = logging.getLogger("rdt")
 
@@ -99,12 +99,12 @@ def site_for(meta: ObjectMeta, *, task_argument: Optional[bool] = None,
              into: Tuple[Optional[torch.Tensor], ...] = ()) -> Site:
     """Where this process stands relative to ``meta``'s producer."""
     groups: Dict[str, Tuple[Any, Any]] = {}
-    mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
+    mine = {g.uid: g for g in rdt_transports.local_groups() if g is not None}
     for ref in meta.groups:
         g = mine.get(ref.uid)
         if g is not None and g.state.value == "healthy":
             groups.setdefault(ref.backend, (g, ref))
-    cuda = _cuda_ipc.target_device() if "cuda" in meta.buffers.device_types else None
+    cuda = receive.target_device() if "cuda" in meta.buffers.device_types else None
     actor = in_actor()
     if task_argument is None:
         task_argument = actor and not called_by_ray_get()

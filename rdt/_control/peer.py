@@ -8,8 +8,9 @@ from __future__ import annotations
 import struct
 from typing import Any, Optional, Tuple
 
-from . import server as _control
-from ..transports.shm import segments as _shm
+from rdt_transports._proc import pid_alive
+
+from . import wire as _control
 from .._objects.meta import ObjectMeta
 from .._ray.runtime import node_id
 from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
@@ -18,7 +19,7 @@ from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
 def probe(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> Tuple[str, str]:
     """("alive" | "dead" | "silent", why): "dead" only on proof of death (the pid is gone on this node, or nothing
     listens on its control port); "silent" when no answer came (a stopped process, or its node unreachable)."""
-    if meta.producer.node_id == node_id() and not _shm.pid_alive(meta.producer.pid):
+    if meta.producer.node_id == node_id() and not pid_alive(meta.producer.pid):
         return "dead", f"pid {meta.producer.pid} is gone"
     why = "no answer"
     for _ in range(2):  # a pooled connection that breaks proves nothing: the second try opens a fresh one
@@ -97,8 +98,3 @@ def control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: byte
     if code == _control.ERR_NOT_FOUND:
         raise freed(meta, f"is gone from its producer: {text}")
     raise ObjectFetchError(f"the producer refused to serve {meta.describe()}: {text}", object_id=meta.id_hex)
-
-
-def err(code: int, message: str) -> Any:
-    """A control error response."""
-    return _control.RESP_ERR, struct.pack("!H", code) + message.encode()

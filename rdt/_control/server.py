@@ -1,122 +1,29 @@
-"""A small authenticated request/response channel between rdt processes (the control plane).
+"""The control server: each process that produces objects runs one, answering authenticated requests.
 
-Each process that produces objects runs one :class:`ControlServer` thread on its node's address, port 0. A
-consumer asks it for things only the producer can do (post Gloo sends, copy into shared memory, register with
-NIXL). Messages are fixed binary structs, never pickled: ``u32 length | header | payload | HMAC-SHA256``. The
-key is the per-group secret (group requests) or the producer's process key (which reaches consumers only inside
-object metadata delivered by Ray). Bad MACs, stale timestamps, replayed nonces, oversize or malformed frames are
-dropped and the connection closed; the server never crashes on input.
+Each such process runs one :class:`ControlServer` thread on its node's address, port 0. A consumer asks it for
+things only the producer can do (post Gloo sends, copy into shared memory, register with NIXL), each answered by
+the handler its transport registered (frames: see ``wire``). Bad MACs, stale timestamps, replayed nonces,
+oversize or malformed frames are dropped and the connection closed; the server never crashes on input.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
+import queue
+import selectors
 import socket
 import struct
 import threading
-import queue
-import selectors
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from rdt_transports import _lifecycle
 
+from .wire import ERR_INTERNAL, MAX_FRAME, RESP_ERR, Handler, ProtocolError, Stream, decode, encode, send_stream
+
 logger = logging.getLogger("rdt")
-
-MAGIC = b"RDT1"
-VERSION = 1
-_HEADER = struct.Struct("!4sBBH16sQ")  # magic, version, type, key id, nonce, timestamp (ms)
-_MAC_LEN = 32
-MAX_FRAME = 1 << 20
-MAX_SKEW_MS = 120_000
-_CHUNK = 4 << 20  # bytes per socket call when streaming an object's bytes
-
-# message types
-REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_base(u32) consumer_wait_ms(u32)
-#                      flags(u8) [first_chunk(u32) when resuming]; answer: empty, or how a chained fetch is fed
-REQ_PREPARE_SHM = 2  # payload: obj_id(16)
-REQ_PREPARE_NIXL = 3  # payload: obj_id(16)
-REQ_PING = 4
-REQ_FETCH_BYTES = 5  # payload: obj_id(16) timeout_ms(u32); answer: n(u32) sizes(u64 * n), then the raw bytes
-REQ_STATS = 6  # answer: the process's rdt.stats() as UTF-8 JSON
-REQ_RELAY_NEXT = 7  # payload: obj_id(16) group_uid(16) rank(u32) chain(u64) wait_ms(u32) final(u8); whom to forward to
-RESP_OK = 100
-RESP_ERR = 101  # payload: code(u16) utf-8 message
-
-KEY_PROCESS = 0
-KEY_GROUP = 1
-KEY_STATS = 2  # per-process key published in the GCS (namespace "rdt"): authorizes REQ_STATS and REQ_PING only
-
-ERR_NOT_FOUND = 1
-ERR_BAD_REQUEST = 2
-ERR_INTERNAL = 3
-ERR_NO_GROUP = 4
-
-
-class ProtocolError(Exception):
-    """A frame that must be dropped (bad MAC, malformed, replayed)."""
-
-
-def encode(msg_type: int, key_id: int, key: bytes, payload: bytes, nonce: Optional[bytes] = None) -> bytes:
-    """One authenticated frame."""
-    nonce = nonce or os.urandom(16)
-    header = _HEADER.pack(MAGIC, VERSION, msg_type, key_id, nonce, int(time.time() * 1000))
-    mac = hmac.new(key, header + payload, hashlib.sha256).digest()
-    body = header + payload + mac
-    return struct.pack("!I", len(body)) + body
-
-
-def decode(body: bytes, key_for: Callable[[int, bytes], Optional[bytes]]) -> Tuple[int, int, bytes, bytes]:
-    """Verify and split a frame body -> (type, key id, nonce, payload). ``key_for(key_id, payload)`` picks the key."""
-    if len(body) < _HEADER.size + _MAC_LEN:
-        raise ProtocolError("short frame")
-    magic, version, msg_type, key_id, nonce, ts = _HEADER.unpack_from(body)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError("bad magic/version")
-    payload = body[_HEADER.size:-_MAC_LEN]
-    key = key_for(key_id, payload)
-    if key is None:
-        raise ProtocolError("unknown key")
-    expected = hmac.new(key, body[:-_MAC_LEN], hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, body[-_MAC_LEN:]):
-        raise ProtocolError("bad MAC")
-    if abs(int(time.time() * 1000) - ts) > MAX_SKEW_MS:
-        raise ProtocolError("stale timestamp")
-    return msg_type, key_id, nonce, payload
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            raise ConnectionError("connection closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(sock: socket.socket) -> bytes:
-    """One frame body; ConnectionError if the peer closed between frames, ProtocolError if it closed mid-frame."""
-    first = sock.recv(4)
-    if not first:
-        raise ConnectionError("connection closed")
-    try:
-        (length,) = struct.unpack("!I", first + _recv_exact(sock, 4 - len(first)))
-        if length > MAX_FRAME:
-            raise ProtocolError(f"frame of {length} bytes is over the limit")
-        return _recv_exact(sock, length)
-    except ConnectionError as e:
-        raise ProtocolError(f"truncated frame: {e}") from e
-
-
-Handler = Callable[[int, bytes], Tuple]  # (key_id, payload) -> (resp type, resp payload[, raw buffers to stream])
 
 
 class _ReplayGuard:
@@ -428,196 +335,3 @@ class ControlServer:
             self._sel.close()
             for s in (self._wake_r, self._wake_w):
                 s.close()
-
-
-@dataclass
-class Stream:
-    """Raw bytes a handler sends after its answer frame (an object's buffers), and how long that may take."""
-
-    buffers: Sequence[memoryview]
-    deadline: float  # time.monotonic() by which the bytes must be sent (the consumer's own deadline)
-
-
-def send_stream(sock: socket.socket, key: bytes, nonce: bytes, stream: Stream) -> None:
-    """Send ``stream``'s bytes then HMAC(key, nonce | bytes), within the stream's timeout."""
-    deadline = stream.deadline
-    mac = hmac.new(key, nonce, hashlib.sha256)
-    for buf in stream.buffers:
-        view = memoryview(buf).cast("B")
-        for start in range(0, len(view), _CHUNK):
-            chunk = view[start:start + _CHUNK]
-            mac.update(chunk)
-            sock.settimeout(_remaining(deadline, "sending an object's bytes"))
-            sock.sendall(chunk)
-    sock.settimeout(_remaining(deadline, "sending an object's bytes"))
-    sock.sendall(mac.digest())
-
-
-def recv_stream(sock: socket.socket, key: bytes, nonce: bytes, into: Sequence[memoryview], deadline: float) -> None:
-    """Receive raw bytes straight into ``into`` (exactly their sizes) and check the trailing MAC."""
-    mac = hmac.new(key, nonce, hashlib.sha256)
-    for buf in into:
-        view = memoryview(buf).cast("B")
-        got = 0
-        while got < len(view):
-            sock.settimeout(_remaining(deadline, "receiving an object's bytes"))
-            n = sock.recv_into(view[got:], min(len(view) - got, _CHUNK))
-            if not n:
-                raise ProtocolError("connection closed in the middle of an object's bytes")
-            mac.update(view[got:got + n])
-            got += n
-    sock.settimeout(_remaining(deadline, "receiving an object's bytes"))
-    if not hmac.compare_digest(mac.digest(), _recv_exact(sock, _MAC_LEN)):
-        raise ProtocolError("bad MAC on an object's bytes")
-
-
-def _remaining(deadline: float, what: str) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"timed out {what}")
-    return left
-
-
-Alloc = Callable[[int, bytes], Optional[Sequence[memoryview]]]  # (resp type, resp payload) -> where bytes go
-
-
-class ControlClient:
-    """Sends requests to other processes' control servers, reusing connections from a bounded pool.
-
-    At most ``max_idle_per_address`` idle connections per address and ``max_idle_total`` in all are kept (the
-    least recently used go first), none longer than ``idle_ttl`` (below the servers' idle timeout). A request on
-    a pooled connection the server closed meanwhile is retried once on a fresh one.
-    """
-
-    def __init__(self, *, max_idle_per_address: int = 4, max_idle_total: int = 64, idle_ttl: float = 20.0) -> None:
-        self.max_idle_per_address = max_idle_per_address
-        self.max_idle_total = max_idle_total
-        self.idle_ttl = idle_ttl
-        self._pool: "OrderedDict[str, List[Tuple[socket.socket, float]]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def request(self, address: str, msg_type: int, key_id: int, key: bytes, payload: bytes, timeout: float,
-                alloc: Optional[Alloc] = None) -> Tuple[int, bytes]:
-        """Send one request and wait for its answer; raises ConnectionError/TimeoutError/ProtocolError.
-
-        With ``alloc``, an answer may be followed by raw bytes: ``alloc`` says where they go (None: no bytes).
-        """
-        sock, reused = self._take(address, timeout)
-        try:
-            return self._request_on(sock, address, msg_type, key_id, key, payload, timeout, alloc)
-        except (ConnectionResetError, BrokenPipeError, _ClosedBeforeAnswer):
-            if not reused:
-                raise
-        # The server closed the idle pooled connection (its idle timeout) before it read our request.
-        sock, _ = self._take(address, timeout, fresh=True)
-        return self._request_on(sock, address, msg_type, key_id, key, payload, timeout, alloc)
-
-    def _request_on(self, sock: socket.socket, address: str, msg_type: int, key_id: int, key: bytes,
-                    payload: bytes, timeout: float, alloc: Optional[Alloc]) -> Tuple[int, bytes]:
-        deadline = time.monotonic() + timeout
-        ok = False
-        try:
-            sock.settimeout(timeout)
-            nonce = os.urandom(16)
-            sock.sendall(encode(msg_type, key_id, key, payload, nonce))
-            try:
-                body = read_frame(sock)
-            except ConnectionError as e:
-                if isinstance(e, (ConnectionResetError, BrokenPipeError)):
-                    raise
-                raise _ClosedBeforeAnswer(str(e)) from e
-            resp_type, _, resp_nonce, resp = decode(body, lambda _k, _p: key)
-            if resp_nonce != nonce:
-                raise ProtocolError("response to another request")
-            into = alloc(resp_type, resp) if alloc is not None else None
-            if into is not None:
-                recv_stream(sock, key, nonce, into, deadline)
-            ok = True
-            return resp_type, resp
-        except socket.timeout as e:
-            raise TimeoutError(f"no answer from {address} within {timeout:.1f}s") from e
-        finally:
-            if ok:
-                self._give(address, sock)
-            else:
-                sock.close()
-
-    def _take(self, address: str, timeout: float, fresh: bool = False) -> Tuple[socket.socket, bool]:
-        if not fresh:
-            with self._lock:
-                self._prune(time.monotonic())
-                free = self._pool.get(address)
-                if free:
-                    sock = free.pop()[0]
-                    if not free:
-                        del self._pool[address]
-                    return sock, True
-        host, port = address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
-
-    def _give(self, address: str, sock: socket.socket) -> None:
-        """Keep ``sock`` for reuse within the bounds; close what falls outside them."""
-        drop: List[socket.socket] = []
-        with self._lock:
-            free = self._pool.setdefault(address, [])
-            self._pool.move_to_end(address)
-            free.append((sock, time.monotonic()))
-            while len(free) > self.max_idle_per_address:
-                drop.append(free.pop(0)[0])
-            while self._idle_locked() > self.max_idle_total:
-                oldest = next(iter(self._pool))  # least recently used address
-                socks = self._pool[oldest]
-                drop.append(socks.pop(0)[0])
-                if not socks:
-                    del self._pool[oldest]
-        for s in drop:
-            s.close()
-
-    def _prune(self, now: float) -> None:
-        """Close idle connections older than the TTL (caller holds the lock)."""
-        for address in list(self._pool):
-            socks = self._pool[address]
-            keep = [(s, t) for s, t in socks if now - t <= self.idle_ttl]
-            for s, t in socks:
-                if now - t > self.idle_ttl:
-                    s.close()
-            if keep:
-                self._pool[address] = keep
-            else:
-                del self._pool[address]
-
-    def _idle_locked(self) -> int:
-        return sum(len(v) for v in self._pool.values())
-
-    def idle_count(self) -> int:
-        """Idle pooled connections (all addresses)."""
-        with self._lock:
-            return self._idle_locked()
-
-    def close(self) -> None:
-        with self._lock:
-            pools = list(self._pool.values())
-            self._pool.clear()
-        for socks in pools:
-            for s, _ in socks:
-                s.close()
-
-
-class _ClosedBeforeAnswer(ConnectionError):
-    """The server closed the connection before answering (nothing of the answer arrived)."""
-
-
-# Measured here (median of 60 round trips): 128 MiB 52-60 ms with the go message against 62-86 ms without;
-# 16 MiB the same either way; 1 MiB 1.2 ms slower with it (the extra message crosses three threads).
-GO_MIN_BYTES = 32 << 20
-
-
-def waits_for_go(backend: str, nbytes: int) -> bool:
-    """Whether a group fetch of ``nbytes`` waits for the consumer's "receives posted" message before the data.
-
-    Gloo stages data that arrives before its receive is posted in a temporary buffer (one more allocation and
-    copy of the whole message); for large objects one tiny message is far cheaper than that.
-    """
-    return backend == "gloo" and nbytes >= GO_MIN_BYTES

@@ -1,14 +1,15 @@
 """What an rdt ObjectRef's value really is: metadata. Unpickling it in a consumer fetches the tensors.
 
 ``ObjectMeta.__reduce__`` makes Ray's deserializer call :func:`_rebuild` in whichever process receives the value
-(a consumer actor's argument, the driver's ``ray.get``). That is how consumers need no decorator and no class
+(a consumer actor's argument, the driver's ``ray.get``), which hands it to the unpickler the consumer installs
+(``rdt._consumer.unpickle``). That is how consumers need no decorator and no class
 option: the fetch happens while Ray deserializes the task's arguments.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Optional, Tuple
 
 from .specs import BufferTable, SpecTable
 
@@ -24,7 +25,7 @@ class ProducerInfo:
     process_key: bytes  # authenticates control requests about this producer's objects
     actor: Any  # the producer's ActorHandle (object-store fallback), or None
     actor_id: str
-    nixl: bool  # NIXL usable in the producer
+    missing: FrozenSet[str] = frozenset()  # transports that cannot work in the producer (NIXL not installed)
 
 
 @dataclass(frozen=True)
@@ -79,54 +80,20 @@ class ObjectMeta:
 
 
 def _rebuild(state: dict) -> Any:
-    """Runs in the receiving process during deserialization: fetch the tensors and rebuild the value."""
+    """Runs in the receiving process during deserialization: hands the metadata to the consumer's unpickler."""
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", state)
-    from ..transports.base import context
-
-    ctx = context()
-    if getattr(ctx.deferring, "on", False):  # rdt.get asked Ray for the metadata itself (it fetches afterwards)
-        return meta
-    deferral = getattr(getattr(ctx, "batching", None), "deferral", None)
-    if deferral is not None:  # an async method's argument: fetched on a pool, awaited off the loop (_async_args)
-        return deferral.defer(ctx, meta)
-    batch = getattr(getattr(ctx, "batching", None), "batch", None)
-    if batch is not None:  # one of several objects Ray deserializes at once: start now, wait after (_batch)
-        return batch.defer(ctx, meta)
-    return resolve_or_error(ctx, meta)
+    return _unpickler(meta)
 
 
-def resolve_or_error(ctx: Any, meta: ObjectMeta, **where: Any) -> Any:
-    """The value ``meta`` stands for, or (for rdt's typed errors) a RayTaskError value Ray raises as such."""
-    from ..errors import RdtError
-
-    try:
-        return ctx.resolve(meta, **where)
-    except RdtError as err:
-        import logging
-
-        ctx.metrics.transfer_error(meta.transport, type(err).__name__)
-        logging.getLogger("rdt").warning(
-            "rdt: fetching object=%s producer=%s (pid %d) transport=%s failed: %s: %s", meta.id_hex,
-            meta.producer.actor_id[:12] or "driver", meta.producer.pid, meta.transport, type(err).__name__, err)
-        # Raised here, Ray would hide it inside a RaySystemError. Returned as a RayTaskError value, Ray raises it
-        # (task argument or ray.get alike) and the caller can catch our typed error itself.
-        return _as_ray_error(err)
+def _not_installed(meta: ObjectMeta) -> Any:
+    raise RuntimeError(f"{meta.describe()} arrived before rdt's consumer was installed (import rdt first)")
 
 
-def _as_ray_error(err: BaseException) -> Any:
-    import os
-    import traceback
+_unpickler: Callable[[ObjectMeta], Any] = _not_installed
 
-    import ray.exceptions
 
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    # The tracebacks hold this frame, whose locals hold the object's lifetime token: drop them (the text above
-    # keeps the information) so that a failed fetch cannot keep the object alive until a GC cycle.
-    seen = set()
-    e: Any = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        e.__traceback__ = None
-        e = e.__cause__ or e.__context__
-    return ray.exceptions.RayTaskError("rdt: fetching an object's tensors", tb, err, pid=os.getpid())
+def install_unpickler(unpickler: Callable[[ObjectMeta], Any]) -> None:
+    """Called once by the consumer (when rdt is imported): what turns an arriving ObjectMeta into its value."""
+    global _unpickler
+    _unpickler = unpickler

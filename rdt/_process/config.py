@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-TRANSPORTS = ("gloo", "nccl", "nixl", "shm", "cuda_ipc", "object_store", "auto")
-
-
 def _env_float(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))

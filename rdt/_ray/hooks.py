@@ -9,7 +9,7 @@ the hooks through the functions below; rdt_transports' uses (GCS key-value store
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Set, Tuple
 
 import ray
 
@@ -88,15 +88,25 @@ def add_out_of_scope_callback(token: Any, callback: Callable[[Any], None]) -> bo
 
 
 def wrap_deserialize_objects(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``Worker.deserialize_objects`` by ``wrap(original)``, once per process (rdt/_batch.py)."""
+    """Replace ``Worker.deserialize_objects`` by ``wrap(original)``, once per process (rdt._consumer.parallel_fetch);
+    frame walks look through the wrapper (:func:`is_wrapper`)."""
     worker_cls = _lookup("ray._private.worker", "Worker")
     if not getattr(worker_cls.deserialize_objects, "_rdt_batched", False):
         worker_cls.deserialize_objects = wrap(worker_cls.deserialize_objects)
+    _WRAPPERS.add(worker_cls.deserialize_objects.__code__)
+
+
+_WRAPPERS: Set[Any] = set()  # code objects of the functions rdt put in place of Ray's
+
+
+def is_wrapper(code: Any) -> bool:
+    """Whether ``code`` is a function rdt installed in place of one of Ray's (frame walks look through it)."""
+    return code in _WRAPPERS
 
 
 def wrap_actor_method_executor(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``FunctionActorManager._make_actor_method_executor`` by ``wrap(original)``, once per process
-    (rdt/_async_args.py)."""
+    (rdt._consumer.async_args)."""
     manager_cls = _lookup("ray._private.function_manager", "FunctionActorManager")
     if not getattr(manager_cls._make_actor_method_executor, "_rdt_async_args", False):
         manager_cls._make_actor_method_executor = wrap(manager_cls._make_actor_method_executor)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import ray
 
-from .hooks import worker_mode  # a private Ray API, checked when rdt is imported
+from .hooks import is_wrapper, worker_mode  # private Ray APIs, checked when rdt is imported
 
 
 def node_id() -> str:
@@ -51,12 +51,10 @@ def called_by_ray_get() -> bool:
     A private Ray detail, kept here alone: ``ray.get`` reaches ``Worker.deserialize_objects`` from
     ``Worker.get_objects`` (both in ray/_private/worker.py); task arguments reach it from Ray's Cython task loop
     (or the event loop, for async actors). ``await ref`` in an async actor arrives from Cython too and counts as
-    an argument. rdt's own wrapper of ``deserialize_objects`` (rdt/_batch.py) is looked through.
+    an argument. rdt's own wrapper of ``deserialize_objects`` (rdt._consumer.parallel_fetch) is looked through.
     tests/test_control_plane.py::test_ray_deserialization_probe_still_tells_get_from_task_arguments
     fails when Ray changes this.
     """
-    from .._consumer.parallel_fetch import is_wrapper
-
     frame = sys._getframe(1)
     for _ in range(64):  # bounded: the value is at most a few dozen frames below Ray's entry point
         if frame is None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
+from .._control.wire import CORE_MESSAGES, USER_MESSAGES_FROM
 from ..errors import InvalidArgumentError, UnsupportedError
-from .base import (BlockViews, Capabilities, Fetched, SetupFailed, Site, Targets, Transport, Unusable,
-                   block_views, device_types, landing)
+from .base import Capabilities, Fetched, Served, SetupFailed, Site, Transport, Unusable, device_types
+from .receive import BlockViews, Targets, block_views, landing
 
 _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list them
     "gloo": ("rdt.transports.group.transport", "GlooTransport"),
@@ -54,6 +55,41 @@ def get(name: str) -> Transport:
     cls: Type[Transport] = getattr(importlib.import_module(spec[0]), spec[1])
     with _lock:
         return _instances.setdefault(name, cls())
+
+
+def known() -> List[Transport]:
+    """Every transport this process knows, built-in (imported now) and registered, in the registry's order."""
+    return [get(n) for n in names() if n != "auto"]
+
+
+def explicit_names() -> Tuple[str, ...]:
+    """What ``tensor_method(tensor_transport=...)`` accepts here: every transport that may be named, and "auto"."""
+    return tuple(t.name for t in known() if t.capabilities.explicit) + ("auto",)
+
+
+def served() -> Dict[int, Tuple[str, Served]]:
+    """Every control message this process's transports serve: number -> (transport name, (handler, key ids))."""
+    return _served(known())
+
+
+def _served(transports: Sequence[Transport]) -> Dict[int, Tuple[str, Served]]:
+    """The control messages ``transports`` serve; two handlers for one number (two transports', or a transport's and
+    rdt's control channel's own) are refused, naming both. Transports sharing one handler (the group ones) serve it
+    together."""
+    out: Dict[int, Tuple[str, Served]] = {}
+    for t in transports:
+        for msg, handler in t.handlers().items():
+            if msg in out and out[msg][1][0] == handler[0]:
+                continue
+            owner = "rdt's control channel" if msg in CORE_MESSAGES else \
+                f"transport {out[msg][0]!r}" if msg in out else None
+            if owner is not None:
+                raise InvalidArgumentError(
+                    f"transport {t.name!r} serves control message {msg}, which {owner} serves already",
+                    hint=f"number a transport's own messages from {USER_MESSAGES_FROM} on, apart from every other "
+                    "transport's")
+            out[msg] = (t.name, handler)
+    return out
 
 
 def loaded() -> List[Transport]:
@@ -96,6 +132,7 @@ def register_transport(transport: Transport) -> None:
     if caps.name in _BUILTIN or caps.name == "auto":
         raise InvalidArgumentError(f"transport name {caps.name!r} is taken by a built-in transport",
                                    hint="give your transport another name")
+    _served([t for t in known() if t.name != caps.name] + [transport])  # refuses a control message served twice
     with _lock:
         _user[caps.name] = transport
 

@@ -16,17 +16,24 @@ The life of an object, as seen by a transport:
    intermediate copy; the others return their own buffers and the core copies where the caller asked for targets.
 4. **release** (producer, when the last reference died): drop whatever export/serve attached to the entry.
 
-Transports import only this module, the shared helpers below the cores and ``rdt_transports``; they never import the
-producer or consumer core. A transport that cannot set up where it runs (no NIXL agent, an IPC handle that does not
-open, no room for a segment) raises :class:`SetupFailed`, and ``auto`` moves on to the next transport of its chain.
+What a transport keeps per process (an agent, pools, a chain table) is a :class:`TransportState` the context holds
+under the transport's name; the context trims it periodically and shuts it down through its hooks.
+
+A transport imports only this module and the landing helpers beside it (``receive``, ``recv_buffers``,
+``storage_cache``), the object model (``rdt._objects``), the control channel (``rdt._control``), the Ray seam
+(``rdt._ray``), ``rdt.errors`` and ``rdt_transports``: never the process context (it sees it through
+:class:`Context`), a role, the API, the registry or another transport (tests/test_layering.py holds this). A
+transport that cannot set up where it runs (no NIXL agent, an IPC handle that does not open, no room for a segment)
+raises :class:`SetupFailed`, and ``auto`` moves on to the next transport of its chain.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Protocol, Sequence,
+                    Tuple)
 
 import torch
 
@@ -40,6 +47,47 @@ Served = Tuple[Handler, Tuple[int, ...]]  # a handler and the control keys (_con
 
 class SetupFailed(Exception):
     """The transport cannot be set up in this process or for this object; ``auto`` tries the next one."""
+
+
+class Context(Protocol):
+    """What a transport may use of this process's rdt context (``ctx`` in every call of the contract)."""
+
+    config: Any  # the RdtConfig this process fetches and produces with (rdt.configure changes it)
+    instance: bytes  # random per process context: names this process's agents and objects
+    process_key: bytes  # signs control requests about this process's objects
+    table: Any  # the ObjectTable: objects this process produced and holds (get(obj_id) -> Entry or None)
+    stats: Any  # transfer counters per transport: add(transport, direction, nbytes[, seconds, path])
+    client: Any  # the ControlClient requests to other processes go through
+    buffers: Any  # the BufferPool of CPU receive buffers (see receive.landing)
+    waiters: ThreadPoolExecutor  # waits on a fetch's receives
+    send_waiters: ThreadPoolExecutor  # waits on a producer's posted sends
+
+    def transport_state(self, name: str, factory: Callable[[], Any]) -> Any:
+        """Transport ``name``'s per-process state, made by ``factory`` on first use."""
+
+    def peek_transport_state(self, name: str) -> Any:
+        """Transport ``name``'s per-process state if it was made (never makes it)."""
+
+    def next_tags(self, group_uid: str, n: int) -> int:
+        """The first of ``n`` consecutive object tags of a group, unique in this process."""
+
+
+class TransportState:
+    """What a transport keeps per process, held by the context under the transport's name and made on first use
+    (:meth:`Context.transport_state`). The context calls the hooks below, transport by transport in the registry's
+    order; each must return quickly and never raise."""
+
+    def trim(self) -> None:
+        """Every few seconds (the context's reaper): drop what waited too long for reuse."""
+
+    def stop(self) -> None:
+        """At shutdown, before the object table is cleared: stop serving (answer requests held open)."""
+
+    def close(self) -> None:
+        """At shutdown, after the object table was cleared (every object released): free everything else."""
+
+    def configure(self, config: Any) -> None:
+        """``rdt.configure`` changed this process's settings (``config``: the new RdtConfig)."""
 
 
 @dataclass(frozen=True)
@@ -134,123 +182,17 @@ class Transport(abc.ABC):
         """Producer: storages this transport keeps exported for live objects (registrations, shares), for stats."""
         return 0
 
+    def available(self) -> bool:
+        """Whether this transport can work in this process at all (its packages import): a producer names those
+        that cannot in its metadata (``ProducerInfo.missing``), so that consumers do not ask it."""
+        return True
 
-def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.device] = None) -> torch.Tensor:
-    """Where buffer ``i`` of a fetch lands: the caller's target when ``rdt.get(into=...)`` gave one on that device
-    type, else a fresh (pooled, for CPU) buffer."""
-    device = device or torch.device("cpu")
-    if i < len(site.into):
-        t = site.into[i]
-        if t is not None and t.numel() == nbytes and t.device.type == device.type:
-            return t
-    if device.type == "cpu":
-        return ctx.buffers.empty(nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def start(self, ctx: Any) -> None:
+        """When this process's context starts (built-in transports): make the state that must exist from then on."""
 
-
-class Targets(Sequence[Optional[torch.Tensor]]):
-    """Per buffer of an ``rdt.get(into=...)`` fetch: the caller's tensor its bytes land in, as uint8 bytes, or None
-    (it lands elsewhere and is copied in). Each uint8 view is made when first asked for: a transport that reads
-    into addresses (shm) makes none, and a model's hundreds of targets cost no tensor each."""
-
-    __slots__ = ("tensors", "complete", "_views")
-
-    def __init__(self, tensors: List[Optional[torch.Tensor]], complete: bool) -> None:
-        self.tensors = tensors  # contiguous, each with exactly its buffer's bytes
-        self.complete = complete  # every buffer has its target
-        self._views: List[Optional[torch.Tensor]] = [None] * len(tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        view = self._views[i]
-        if view is None:
-            t = self.tensors[i]
-            if t is None:
-                return None
-            view = self._views[i] = t.detach().view(-1).view(torch.uint8)  # the same view every time it is asked
-        return view
-
-    def addresses(self) -> List[int]:
-        """Each target's address (a complete set only; for readers that take raw pointers)."""
-        return list(map(torch.Tensor.data_ptr, self.tensors))  # type: ignore[arg-type]
-
-
-# Where each buffer of a block starts: every dtype's view of it is aligned (the widest element, complex128, is 16
-# bytes; malloc gives the same 16). Tensors whose sizes are multiples of 16 bytes, as a model's are, land back to
-# back, so a many-tensor object's leaves are cut from its block in one call (``SpecTable.rebuild``).
-ALIGN = 16
-
-
-class BlockViews(Sequence[torch.Tensor]):
-    """Landing buffers that are byte ranges of one block: a sequence of uint8 views, each made only when indexed
-    (an object of a thousand tensors then costs one allocation, and its leaves are rebuilt from the block)."""
-
-    __slots__ = ("block", "offsets", "sizes", "dense")
-
-    def __init__(self, block: torch.Tensor, offsets: List[int], sizes: List[int], dense: bool = False) -> None:
-        self.block = block
-        self.offsets = offsets
-        self.sizes = sizes
-        self.dense = dense  # the buffers lie back to back from the block's start (every size a multiple of ALIGN)
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        o = self.offsets[i]
-        return self.block[o:o + self.sizes[i]]
-
-    def addresses(self) -> List[int]:
-        """Each buffer's address (for readers that take raw pointers)."""
-        base = self.block.data_ptr()
-        return [base + o for o in self.offsets]
-
-    def span(self, first: int, last: int) -> torch.Tensor:
-        """One view from the start of buffer ``first`` to the end of buffer ``last`` (padding included)."""
-        return self.block[self.offsets[first]:self.offsets[last] + self.sizes[last]]
-
-
-def padded_offsets(sizes: Sequence[int]) -> Tuple[List[int], int]:
-    """Where each buffer of a block starts (multiples of :data:`ALIGN`) and the block's size."""
-    if not sizes:
-        return [], 0
-    dense = not any(map(_ALIGN_REM, sizes))  # a model's tensors: the sizes are the steps (C loops, no genexpr)
-    ends = list(accumulate(sizes if dense else (-(-n // ALIGN) * ALIGN for n in sizes)))
-    return [0] + ends[:-1], ends[-1]
-
-
-_ALIGN_REM = ALIGN.__rmod__  # n -> n % ALIGN
-
-
-def block_views(ctx: Any, sizes: List[int], device: Optional[torch.device] = None) -> BlockViews:
-    """Fresh landing buffers of ``sizes`` bytes as byte ranges of one block, each at a multiple of ALIGN."""
-    device = device or torch.device("cpu")
-    offsets, total = padded_offsets(sizes)
-    room = max(total, 1)
-    block = ctx.buffers.empty(room) if device.type == "cpu" else torch.empty(room, dtype=torch.uint8, device=device)
-    return BlockViews(block, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))
-
-
-_context_getter: Optional[Callable[[], Any]] = None
-
-
-def install_context(getter: Callable[[], Any]) -> None:
-    """Called once by the core: how a transport's code running inside the producer finds this process's context."""
-    global _context_getter
-    _context_getter = getter
-
-
-def context() -> Any:
-    """This process's rdt context (for code Ray runs in the producer, e.g. through ``__ray_call__``)."""
-    if _context_getter is None:
-        raise RuntimeError("rdt's context is not installed in this process (rdt._context was never imported)")
-    return _context_getter()
+    def stats(self, ctx: Any) -> Dict[str, Any]:
+        """Entries this transport adds to ``rdt.stats()`` (its state's counters; present even before it is used)."""
+        return {}
 
 
 def device_types(meta: "ObjectMeta") -> FrozenSet[str]:

@@ -15,14 +15,19 @@ from typing import Any, Dict, List, Optional, Sequence
 import ray
 import torch
 
-from .._control import server as _control
+from .._control import wire as _control
 from .._objects.meta import ObjectMeta
 from .._objects.stream_ready import wait_ready
-from .._control.peer import control_request, died, err, producer_alive
+from .._control.peer import control_request, died, producer_alive
+from .._control.wire import err
 from ..errors import ObjectFetchError
-from .base import Capabilities, Fetched, Served, Site, Transport, landing
+from .base import Capabilities, Fetched, Served, Site, Transport
+from .receive import landing
 
 MAX_STREAM_S = 3600.0  # cap on the time a consumer may ask the producer to keep streaming one object
+
+
+REQ_FETCH_BYTES = 5  # payload: obj_id(16) timeout_ms(u32); answer: n(u32) sizes(u64 * n), then the raw bytes
 
 
 class ObjectStoreTransport(Transport):
@@ -44,7 +49,7 @@ class ObjectStoreTransport(Transport):
         return Fetched(_to_devices(meta, _stream(ctx, meta, site, timeout), site.cuda_device), "object_store")
 
     def handlers(self) -> Dict[int, Served]:
-        return {_control.REQ_FETCH_BYTES: (_serve_bytes, (_control.KEY_PROCESS,))}
+        return {REQ_FETCH_BYTES: (_serve_bytes, (_control.KEY_PROCESS,))}
 
 
 def buffer_devices(devices: Sequence[str], gpu: Optional[torch.device]) -> List[torch.device]:
@@ -79,7 +84,7 @@ def _stream(ctx: Any, meta: ObjectMeta, site: Site, timeout: float) -> List[torc
 
     payload = meta.obj_id + struct.pack("!I", min(int(timeout * 1000), 0xFFFFFFFF))
     try:
-        control_request(ctx, meta, _control.REQ_FETCH_BYTES, _control.KEY_PROCESS, meta.producer.process_key,
+        control_request(ctx, meta, REQ_FETCH_BYTES, _control.KEY_PROCESS, meta.producer.process_key,
                         payload, timeout, alloc=into)
     except _control.ProtocolError as e:  # a bad header or MAC, or the stream cut short
         if not producer_alive(ctx, meta):

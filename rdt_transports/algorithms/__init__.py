@@ -12,31 +12,10 @@ Keyword arguments per op (all torch tensors, contiguous, same dtype/device; list
 
 from __future__ import annotations
 
-import abc
 from typing import Tuple
 
-import torch
-
-from ..backends.base import Work
-
-
-class P2P(abc.ABC):
-    """What an algorithm may use: this rank, the world size, and step-tagged isend/irecv."""
-
-    rank: int
-    world_size: int
-
-    @abc.abstractmethod
-    def isend(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
-
-    @abc.abstractmethod
-    def irecv(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
-
-    @abc.abstractmethod
-    def wait(self, *works: Work) -> None: ...
-
-
-from ._impl import ALGORITHMS, choose, prefers_p2p, run  # noqa: E402
+from ._common import P2P
+from ._impl import ALGORITHMS, choose, prefers_p2p, run
 
 
 def algorithms_for(op: str) -> Tuple[str, ...]:

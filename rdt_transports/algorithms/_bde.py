@@ -9,12 +9,13 @@ Steps: phase blocks (fold = 0, rounds = 1.., unfold = last) keep step numbers un
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
 from ..types import ReduceOp
 from ._common import (
+    P2P,
     chunk_bounds,
     exchange,
     finish_avg,
@@ -28,9 +29,6 @@ from ._common import (
     token,
     unpack,
 )
-
-if TYPE_CHECKING:
-    from . import P2P
 
 # Allreduce payloads up to this size use plain recursive doubling (log2 n rounds, full vector each round);
 # larger ones use Rabenseifner's halving + doubling (2 log2 n rounds, ~2x the vector in total).

@@ -10,15 +10,30 @@ Conventions used by every algorithm module:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+import abc
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..backends.base import Work
 from ..types import ReduceOp
 
-if TYPE_CHECKING:
-    from . import P2P
+
+class P2P(abc.ABC):
+    """What an algorithm may use: this rank, the world size, and step-tagged isend/irecv."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, peer: int, step: int) -> Work: ...
+
+    @abc.abstractmethod
+    def wait(self, *works: Work) -> None: ...
+
 
 MAX_STEP = 1 << 14  # exclusive upper bound on step numbers accepted by the group's tag layout
 

@@ -8,16 +8,13 @@ peer: ``run`` handles it locally for every op and algorithm.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..errors import InvalidArgumentError
 from . import _bde, _ring, _tree
-from ._common import flat
-
-if TYPE_CHECKING:
-    from . import P2P
+from ._common import P2P, flat
 
 ALGORITHMS: Dict[str, Tuple[str, ...]] = {
     "broadcast": ("tree", "ring"),

@@ -7,12 +7,13 @@ link is busy at once. Step numbers are the round (or chunk / block index), uniqu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 
 from ..types import ReduceOp
 from ._common import (
+    P2P,
     chunk_bounds,
     exchange,
     finish_avg,
@@ -27,9 +28,6 @@ from ._common import (
     token,
     wait_all,
 )
-
-if TYPE_CHECKING:
-    from . import P2P
 
 # Pipeline chunk for chained broadcast/reduce. From benchmarks/ measurements (to be tuned): big enough to
 # amortise per-message overhead, small enough that the chain fills quickly.

@@ -8,12 +8,13 @@ once per phase, so one step number per phase is enough.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 
 from ..types import ReduceOp
 from ._common import (
+    P2P,
     finish_avg,
     flat,
     pack,
@@ -31,9 +32,6 @@ from ._common import (
     unpack,
     wait_all,
 )
-
-if TYPE_CHECKING:
-    from . import P2P
 
 
 # ---------------------------------------------------------------------------------------------- building blocks

@@ -24,7 +24,7 @@ BIG = 40 << 20  # above the parallel threshold: split across threads
 _HOLDER = r"""
 import json, sys
 import torch
-from rdt import _cma
+from rdt.transports.shm import cma as _cma
 from rdt_transports import _cma as low_cma
 obj = bytes(range(16))
 big = (torch.arange(%d, dtype=torch.int64) %% 251).to(torch.uint8)
@@ -111,7 +111,7 @@ def test_dead_process_fails_cleanly() -> None:
 
 _DENIED = r"""
 import os, sys, torch
-from rdt import _cma
+from rdt.transports.shm import cma as _cma
 from rdt_transports import _cma as low_cma
 target = int(sys.argv[1])
 if os.getuid() == 0:

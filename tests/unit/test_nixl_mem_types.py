@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import secrets
-import threading
-import types
 
 import pytest
 import torch
 
 from rdt.transports.nixl import read as _nixl_objects
-from rdt.transports.recv_buffers import BufferPool
 from rdt._objects.flatten import flatten
 from rdt._objects.table import Entry
 
+from .._bare_context import BareContext
 from ..conftest import HAS_NIXL
 
 
@@ -47,8 +45,7 @@ def test_mixed_info_round_trips_with_per_buffer_types() -> None:
 def test_read_of_an_object_keeps_each_buffer_on_its_device(cuda: bool) -> None:
     if cuda and not torch.cuda.is_available():
         pytest.skip("needs CUDA for the VRAM half")  # the DRAM-only case always runs
-    ctxs = [types.SimpleNamespace(nixl=None, _lock=threading.Lock(), instance=secrets.token_bytes(8),
-                                  buffers=BufferPool(0, 1.0)) for _ in range(2)]
+    ctxs = [BareContext() for _ in range(2)]
     producer, consumer = ctxs
     try:
         value = {"w": torch.arange(1000, dtype=torch.float32, device="cuda" if cuda else "cpu"),

@@ -6,27 +6,24 @@ from __future__ import annotations
 
 import gc
 import secrets
-import threading
-import types
 from typing import Any, List
 
 import pytest
 import torch
 
 from rdt.transports.nixl import read as _nixl_objects
-from rdt.transports.recv_buffers import BufferPool
 from rdt._objects.flatten import flatten
 from rdt._objects.table import Entry
 
+from .._bare_context import BareContext
 from ..conftest import HAS_NIXL
 
 pytestmark = pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
 
 
-def _ctx() -> types.SimpleNamespace:
-    """The parts of an RdtContext the NIXL object path uses: its agent slot, lock, identity and receive pool."""
-    return types.SimpleNamespace(nixl=None, _lock=threading.Lock(), instance=secrets.token_bytes(8),
-                                 buffers=BufferPool(0, 1.0))
+def _ctx() -> BareContext:
+    """The parts of an RdtContext the NIXL object path uses: its agent slot, identity and receive pool."""
+    return BareContext()
 
 
 @pytest.fixture

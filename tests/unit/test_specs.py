@@ -12,7 +12,7 @@ import torch
 
 from rdt._objects.flatten import flatten, unflatten
 from rdt._objects.specs import BufferSpec, BufferTable, SpecTable, TensorSpec
-from rdt.transports.base import BlockViews, padded_offsets
+from rdt.transports.receive import BlockViews, padded_offsets
 
 from .._object_actors import leaf_digests, many_tensors
 
@@ -65,7 +65,7 @@ def test_plain_leaves_in_one_block_take_the_direct_path_and_match():
 
 
 def test_packed_messages_cover_every_buffer_once_in_order():
-    from rdt.transports.group.transport import PACK_BELOW, PACK_MAX, messages
+    from rdt.transports.group.protocol import PACK_BELOW, PACK_MAX, messages
 
     sizes = [4096] * 1500 + [PACK_BELOW, 10, 3, 1 << 24, 7] + [PACK_BELOW - 1] * 40
     plan = messages(sizes)
@@ -80,7 +80,7 @@ def test_packed_messages_cover_every_buffer_once_in_order():
 
 
 def test_gather_copies_many_ranges_within_the_process():
-    from rdt.transports.shm.cma import gather
+    from rdt_transports._memcopy import copy_parts as gather  # the group transport's packing copy
 
     src = [torch.arange(i + 1, dtype=torch.uint8) for i in range(3000)]
     dst = torch.zeros(sum(t.numel() for t in src), dtype=torch.uint8)
@@ -93,7 +93,8 @@ def test_gather_copies_many_ranges_within_the_process():
 
 
 def test_packed_staging_holds_each_buffer_at_its_block_offset_and_zeros_between():
-    from rdt.transports.group.transport import _packed_sends, messages
+    from rdt.transports.group.protocol import messages
+    from rdt.transports.group.serve import packed_sends as _packed_sends
 
     leaves = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in (10, 3, 64, 1, 100)]  # gaps after 10, 3, 1, ...
     flat = flatten(leaves)
@@ -172,7 +173,7 @@ def test_leaves_the_map_pass_cannot_take_fall_back_to_the_general_pass():
 
 def _landed(flat):
     """The object's bytes landed the way a consumer lands them: one block (BlockViews) at padded offsets."""
-    from rdt.transports.base import BlockViews
+    from rdt.transports.receive import BlockViews
 
     sizes = list(flat.table.sizes)
     offsets, total = padded_offsets(sizes)

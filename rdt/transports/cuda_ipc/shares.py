@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..receive import target_device
 from ..storage_cache import StorageCache
 
 logger = logging.getLogger("rdt")
@@ -109,16 +110,6 @@ def can_open(info: Optional[CudaIpcInfo]) -> bool:
         return False
     visible = visible_devices()
     return all(b.device_uuid in visible for b in info.buffers)
-
-
-def target_device() -> Optional[torch.device]:
-    """The consumer's current CUDA device, or None when this process has no CUDA."""
-    try:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-    except Exception:  # noqa: BLE001
-        pass
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ producer

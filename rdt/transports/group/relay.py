@@ -3,12 +3,12 @@
 The producer keeps, per object and group, the chain whose last member (the *tail*) is still receiving. A request
 that arrives while the tail is open becomes the tail's follower: its reply names its source (the old tail's rank)
 and the old tail learns, in the answer to its own authenticated poll to the producer, whom to forward to. Bytes
-travel as the packed messages of ``group.messages`` cut into chunks of at most :data:`CHUNK` bytes; a member
+travel as the packed messages of ``protocol.messages`` cut into chunks of at most :data:`CHUNK` bytes; a member
 forwards chunk k as soon as it arrived, so the producer's link carries the object about once whatever the
 number of consumers. The first request of an object (a lone consumer) is served at once, never held back.
 
-This module holds the producer's chain table and the layout both sides compute; ``group`` drives the sends
-and receives (it imports this module, never the other way round).
+This module holds the producer's chain table and the layout both sides compute; ``serve`` and ``transport`` drive
+the sends and receives (they import this module, never the other way round).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from ..base import TransportState
 
 CHUNK = 4 << 20  # bytes per relayed message at most: a 4-worker sync of 988 MB takes ~790 ms, ~850 with 1 MiB
 # chunks (four times the Gloo operations), and no less with 16 MiB ones (a longer pipeline fill)
@@ -65,7 +67,7 @@ class _Chain:
     sending: bool = True  # the producer's sends to the head are not finished yet
 
 
-class RelayTable:
+class RelayTable(TransportState):
     """The producer's chains (one open per object and group) and the process's relay counters.
 
     Every wait is bounded by a member's deadline; a chain is dropped once its tail is closed (it said it is done,
@@ -176,7 +178,7 @@ class RelayTable:
             if tail is not None and not tail.closed and tail.deadline <= now:
                 self._close(chain, tail)
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """At shutdown: close every tail (held polls are answered) and stop the poller threads (not waiting)."""
         with self._cond:
             for chain in list(self._chains.values()):
@@ -204,5 +206,5 @@ EMPTY_STATS: Dict[str, int] = RelayTable().snapshot()
 
 
 def table(ctx: Any) -> RelayTable:
-    """This process's relay table (made on first use)."""
-    return ctx.transport_state("relay", RelayTable)
+    """This process's relay table (made on first use): the gloo transport's per-process state."""
+    return ctx.transport_state("gloo", RelayTable)

@@ -4,16 +4,16 @@ the group's own backend between two members.
 Fetch: the consumer picks tags, asks the producer's control server (authenticated with the group's secret) to post
 the sends, posts its receives and waits while watching that the producer lives. Serve: the producer posts one send
 per buffer on its control thread and lets a waiter finish them, so the actor's task queue is never involved. From
-``_control.GO_MIN_BYTES`` on, a Gloo producer sends only once the consumer says its receives are posted.
+``protocol.GO_MIN_BYTES`` on, a Gloo producer sends only once the consumer says its receives are posted (the
+producer's side is in ``serve``).
 
 Fan-out (gloo, objects from ``relay_min_bytes``): consumers that ask while another is still receiving are chained
-behind it and the bytes travel in chunks, each member forwarding what it got (``_relay``); a member whose source
+behind it and the bytes travel in chunks, each member forwarding what it got (``relay``); a member whose source
 dies or stalls asks the producer directly for the chunks it misses.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 import threading
@@ -23,86 +23,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rdt_transports._context import get_context as get_transport_context
-from rdt_transports.errors import CollectiveTimeoutError, CommunicationError, GroupDestroyedError
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
-from ..shm import cma as _cma
-from ..._control import server as _control
+from ..._control import wire as _control
+from ..._control.peer import control_request, died, producer_alive
 from ..._objects.meta import GroupRef, ObjectMeta
-from ..._objects.stream_ready import wait_ready
-from ..._control.peer import control_request, died, err, producer_alive
 from ...errors import NoCollectiveGroupError, ObjectFetchError
+from ..base import Capabilities, Fetched, Served, Site, Transport, Unusable
+from ..receive import block_views, landing, padded_offsets
 from . import relay as _relay
-from ..base import ALIGN, Capabilities, Fetched, Served, Site, Transport, Unusable, block_views, landing, padded_offsets
+from .protocol import (FLAG_PACKED, FLAG_RELAY, FLAG_RESUME, REQ_FETCH_GROUP, REQ_RELAY_NEXT, message_sizes,
+                       messages, waits_for_go)
+from .serve import serve_fetch_group, serve_relay_next
 
 logger = logging.getLogger("rdt")
-
-PACK_BELOW = 256 << 10  # CPU buffers smaller than this travel packed with their neighbours ...
-PACK_MAX = 4 << 20  # ... in messages of at most this many bytes: one message per run, not one per tensor
-
-# The fetch request's last byte: flags
-FLAG_PACKED = 1  # small CPU buffers travel packed (messages())
-FLAG_RELAY = 2  # the consumer can be chained: serve it in chunks, maybe from another consumer (reply says)
-FLAG_RESUME = 4  # a chained consumer whose source failed: send chunks from the u32 that follows, directly
-
-
-def messages(sizes: List[int]) -> List[Tuple[int, int]]:
-    """How a packed fetch splits an object's buffers into messages: (first, last) buffer of each, runs of small
-    buffers together (laid out as in one landing block, see ``padded_offsets``), each large buffer alone. Both
-    sides compute it from the metadata, so no byte of framing travels."""
-    out: List[Tuple[int, int]] = []
-    i, n = 0, len(sizes)
-    while i < n:
-        j, total = i, 0
-        while j < n and sizes[j] < PACK_BELOW and total + sizes[j] <= PACK_MAX:
-            total += -(-sizes[j] // ALIGN) * ALIGN
-            j += 1
-        if j == i:  # a large buffer
-            j = i + 1
-        out.append((i, j - 1))
-        i = j
-    return out
-
-
-def _packed_sends(flat: Any) -> List[torch.Tensor]:
-    """One tensor per message of :func:`messages`: a large buffer itself, or a run of small CPU buffers copied
-    into one staging tensor, each at the offset it has in the consumer's landing block (one memmove per buffer
-    from its address: no tensor object per buffer)."""
-    sizes = flat.table.sizes
-    ranges = flat.ranges
-    out: List[torch.Tensor] = []
-    for first, last in messages(sizes):
-        if first == last:
-            out.append(flat.view(first))
-            continue
-        at, offsets = 0, []
-        for k in range(first, last + 1):
-            offsets.append(at)
-            at += -(-sizes[k] // ALIGN) * ALIGN
-        # Not torch.zeros: zeroing (and faulting in) the whole staging first cost more than the copy itself. Only
-        # the alignment gaps are cleared, so no stale heap bytes of this process travel.
-        staging = torch.empty(offsets[-1] + sizes[last], dtype=torch.uint8)
-        base = staging.data_ptr()
-        _cma.gather([(base + o, addr, n) for (addr, n), o in zip(ranges[first:last + 1], offsets)])
-        for k in range(first, last):
-            end = offsets[k - first] + sizes[k]
-            gap = offsets[k - first + 1] - end
-            if gap:
-                ctypes.memset(base + end, 0, gap)
-        out.append(staging)
-    return out
-
-
-def common_group(meta: ObjectMeta, backend: str) -> Optional[Tuple[Any, GroupRef]]:
-    """A healthy group of ``backend`` that both this process and the producer are in (and the producer's rank)."""
-    mine = {g.uid: g for g in get_transport_context().groups() if g is not None}
-    for ref in meta.groups:
-        g = mine.get(ref.uid)
-        if g is not None and ref.backend == backend and g.state.value == "healthy":
-            return g, ref
-    return None
-
 
 class _GroupTransport(Transport):
     """Shared by the group backends; subclasses only declare their capabilities."""
@@ -126,11 +61,11 @@ class _GroupTransport(Transport):
         return Fetched(_fetch_group(ctx, meta, group, ref, site, deadline), self.name)
 
     def handlers(self) -> Dict[int, Served]:
-        return {_control.REQ_FETCH_GROUP: (_serve_fetch_group, (_control.KEY_GROUP,)),
-                _control.REQ_RELAY_NEXT: (_serve_relay_next, (_control.KEY_GROUP,))}
+        return {REQ_FETCH_GROUP: (serve_fetch_group, (_control.KEY_GROUP,)),
+                REQ_RELAY_NEXT: (serve_relay_next, (_control.KEY_GROUP,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
-        state = ctx.peek_transport_state("relay")
+        state = ctx.peek_transport_state("gloo")
         if state is not None:
             state.forget(entry.obj_id)
 
@@ -138,6 +73,11 @@ class _GroupTransport(Transport):
 class GlooTransport(_GroupTransport):
     capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,
                                 serves_from_holder=True, auto_priority=20)
+
+    def stats(self, ctx: Any) -> Dict[str, Any]:
+        """Fan-out over groups: bytes served as producer and forwarded as relay, live chains (see ``relay``)."""
+        state = ctx.peek_transport_state(self.name)
+        return {"relay": state.snapshot() if state is not None else dict(_relay.EMPTY_STATS)}
 
 
 class NcclTransport(_GroupTransport):
@@ -150,160 +90,13 @@ class UcxTransport(_GroupTransport):
                                 receive_into=True, auto_priority=25, explicit=False)
 
 
-# ------------------------------------------------------------------------------------------------ producer
-def _serve_fetch_group(ctx: Any, _key_id: int, payload: bytes) -> Any:
-    if len(payload) not in (45, 49):
-        return err(_control.ERR_BAD_REQUEST, "malformed fetch request")
-    entry = ctx.table.get(payload[:16])
-    if entry is None:
-        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-    uid = payload[16:32].hex()
-    rank, tag_base, wait_ms, flags = struct.unpack("!IIIB", payload[32:45])
-    if bool(flags & FLAG_RESUME) != (len(payload) == 49):
-        return err(_control.ERR_BAD_REQUEST, "malformed fetch request")
-    group = next((g for g in get_transport_context().groups() if g is not None and g.uid == uid), None)
-    if group is None:
-        return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
-    if not 0 <= rank < group.world_size or rank == group.rank:
-        return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank}")
-    wait_ready(entry)  # the sends below run on other streams than the one the producer returned on
-    # Wait exactly as long as the consumer does (its time left, relative): a shorter wait would kill a transfer the
-    # consumer still waits for, a longer one would hold the buffers after it gave up.
-    deadline = time.monotonic() + wait_ms / 1000.0
-    cpu = entry.flat.table.device_types == {"cpu"}
-    if flags & FLAG_RESUME and cpu:
-        first = struct.unpack("!I", payload[45:49])[0]
-        return _serve_chunks(ctx, entry, group, rank, tag_base, deadline, first, None)
-    if flags & FLAG_RELAY and cpu and group.backend_name == "gloo" and ctx.config.relay:
-        return _serve_relay(ctx, entry, group, rank, tag_base, deadline)
-    _count_out(ctx, group, entry.nbytes)
-    n = len(entry.flat.table)
-    if flags & FLAG_PACKED and cpu:
-        sends = _packed_sends(entry.flat)
-    else:
-        sends = list(entry.buffers)
-    if _control.waits_for_go(group.backend_name, entry.nbytes):
-        go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank, make_tag(TAG_OBJECT, tag_base + n))
-        ctx.send_waiters.submit(_send_after_go, go, group, sends, rank, tag_base, deadline, entry.obj_id)
-        return _control.RESP_OK, b""
-    works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(sends)]
-    # Posted sends move without a waiter (the backend progresses them); a queued wait only learns the outcome.
-    ctx.send_waiters.submit(_finish_sends, works, group, sends, deadline, entry.obj_id, rank)
-    return _control.RESP_OK, b""
-
-
-def _count_out(ctx: Any, group: Any, nbytes: int) -> None:
-    """Bytes this producer puts on its link for a group fetch (``rdt.stats()``: transfers and relay)."""
-    ctx.stats.add(group.backend_name, "out", nbytes)
-    _relay.table(ctx).add("served_bytes", nbytes)
-
-
-def _serve_relay(ctx: Any, entry: Any, group: Any, rank: int, tag_base: int, deadline: float) -> Any:
-    """Chain the consumer behind the one still receiving this object (it will forward), or start a chain and
-    send it the chunks. The reply names its source; only the producer's authenticated replies say who sends."""
-    cid, source, position = _relay.table(ctx).join(entry.obj_id, group.uid, rank, tag_base, deadline)
-    reply = struct.pack(_relay.REPLY, _relay.MODE_RELAY, group.rank if source is None else source, position, cid)
-    if source is not None:
-        return _control.RESP_OK, reply
-    return _serve_chunks(ctx, entry, group, rank, tag_base, deadline, 0, cid, reply)
-
-
-def _serve_chunks(ctx: Any, entry: Any, group: Any, rank: int, tag_base: int, deadline: float, first: int,
-                  cid: Optional[int], reply: bytes = b"") -> Any:
-    """Send chunks ``first``.. of the object's relay layout to ``rank`` (a chain's head, or a member whose source
-    failed); the head of a large object is sent to once its receives are posted."""
-    table = _relay.table(ctx)
-    on_done = (lambda failed: table.sent(cid, failed)) if cid is not None else None
-    try:
-        parts = _relay.split(_packed_sends(entry.flat))
-        if first > len(parts):
-            return err(_control.ERR_BAD_REQUEST, f"no chunk {first}: the object has {len(parts)}")
-        sends = parts[first:]
-        _count_out(ctx, group, sum(p.numel() for p in sends))
-        tag = tag_base + first
-        if cid is not None and _control.waits_for_go(group.backend_name, entry.nbytes):  # a chain's head
-            go = group.backend.irecv(torch.zeros(1, dtype=torch.uint8), rank,
-                                     make_tag(TAG_OBJECT, tag_base + len(parts)))
-            ctx.send_waiters.submit(_send_after_go, go, group, sends, rank, tag, deadline, entry.obj_id, on_done)
-        else:
-            works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag + i)) for i, buf in enumerate(sends)]
-            ctx.send_waiters.submit(_finish_sends, works, group, sends, deadline, entry.obj_id, rank, on_done)
-    except BaseException:
-        if cid is not None:
-            table.sent(cid, True)
-        raise
-    return _control.RESP_OK, reply
-
-
-def _serve_relay_next(ctx: Any, _key_id: int, payload: bytes) -> Any:
-    """A chained consumer asks whom it forwards to: held until a follower joins, it says it is done (``final``),
-    or its time runs out. Answered only from the producer's own table."""
-    if len(payload) != 32 + struct.calcsize(_relay.NEXT_REQUEST):
-        return err(_control.ERR_BAD_REQUEST, "malformed relay request")
-    rank, cid, wait_ms, final = struct.unpack(_relay.NEXT_REQUEST, payload[32:])
-    follower = _relay.table(ctx).next_of(cid, rank, bool(final), wait_ms / 1000.0)
-    rank_, tags = follower if follower is not None else (-1, 0)
-    return _control.RESP_OK, struct.pack(_relay.NEXT_REPLY, rank_, tags)
-
-
-def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, deadline: float,
-                   obj_id: bytes, on_done: Optional[Callable[[bool], None]] = None) -> None:
-    """Post the object's sends once the consumer says its receives are posted (or give up at its deadline)."""
-    try:
-        go.wait(max(deadline - time.monotonic(), 1e-3))
-        works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
-    except Exception as e:  # noqa: BLE001 - the consumer timed out or died, or the group was aborted meanwhile
-        _send_failed(group, obj_id, rank, e)
-        if on_done is not None:
-            on_done(True)
-        return
-    _finish_sends(works, group, buffers, deadline, obj_id, rank, on_done)
-
-
-def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], deadline: float, obj_id: bytes,
-                  rank: int, on_done: Optional[Callable[[bool], None]] = None) -> None:
-    """Wait for posted sends off the control thread; buffers stay referenced until then (then ``on_done(failed)``).
-
-    A failed send leaves the group ERRORED here as well (after a timeout the backend is aborted too, so the
-    group's other members fail fast): the backend's state is unknown, the next collective must not use it.
-    """
-    failed = True
-    try:
-        for w in works:
-            try:
-                w.wait(max(deadline - time.monotonic(), 1e-3))
-            except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
-                _send_failed(group, obj_id, rank, e)
-                return
-        failed = False
-        del keepalive
-    finally:
-        if on_done is not None:
-            on_done(failed)
-
-
-
-
-def _send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> None:
-    """Log a failed object send with its context and mark the group ERRORED (not after an abort or destroy)."""
-    logger.warning("rdt: group=%s rank=%d: sending object %s to rank %d failed: %s", group.name, group.rank,
-                   obj_id.hex(), rank, cause)
-    if isinstance(cause, GroupDestroyedError):
-        return
-    cls = CollectiveTimeoutError if isinstance(cause, TimeoutError) else CommunicationError
-    group.fail(cls(f"sending object {obj_id.hex()[:16]} to rank {rank} failed: {cause}", group=group.name,
-                   rank=group.rank, peer=rank, op="object send", object_id=obj_id.hex(),
-                   hint="the consumer did not receive in time or died; destroy the group on every member and "
-                   "create it again"))
-
-
 # ------------------------------------------------------------------------------------------------ consumer
 def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site,
                  deadline: float) -> Sequence[torch.Tensor]:
     n = len(meta.buffers)
     sizes = meta.buffers.sizes
     relay = _relay_wanted(ctx, meta, group)
-    nchunks = len(_relay.chunks(_message_sizes(sizes))) if relay else 0
+    nchunks = len(_relay.chunks(message_sizes(sizes))) if relay else 0
     # One tag per buffer (or relayed chunk), and one for the "receives posted" message
     tag_base = ctx.next_tags(group.uid, max(n, nchunks) + 1)
     wait_ms = _wait_ms(deadline)  # the producer waits as long as we do: time left, relative (clocks differ)
@@ -313,7 +106,7 @@ def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Si
     packed = not site.into and len(sizes) > 1 and meta.buffers.device_types == {"cpu"}
     flags = (FLAG_PACKED if packed else 0) | (FLAG_RELAY if relay else 0)
     payload = meta.obj_id + bytes.fromhex(group.uid) + struct.pack("!IIIB", group.rank, tag_base, wait_ms, flags)
-    reply = control_request(ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
+    reply = control_request(ctx, meta, REQ_FETCH_GROUP, _control.KEY_GROUP, group.backend.config.secret,
                             payload, max(deadline - time.monotonic(), 1e-3))
     if reply:  # the producer chained us: chunks come from it or from the consumer before us
         try:
@@ -328,7 +121,7 @@ def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Si
         bufs = recvs = [landing(ctx, site, i, nb, device) for i, nb in enumerate(sizes)]
     try:
         works = [group.backend.irecv(buf, ref.rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(recvs)]
-        if _control.waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
+        if waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
             works.append(group.backend.isend(torch.ones(1, dtype=torch.uint8), ref.rank,
                                              make_tag(TAG_OBJECT, tag_base + n)))
         _wait_watching_producer(ctx, meta, works, deadline)
@@ -357,11 +150,6 @@ def _relay_wanted(ctx: Any, meta: ObjectMeta, group: Any) -> bool:
     return (ctx.config.relay and group.backend_name == "gloo" and meta.buffers.device_types == {"cpu"}
             and meta.nbytes >= max(ctx.config.relay_min_bytes, 1))
 
-
-def _message_sizes(sizes: List[int]) -> List[int]:
-    """Bytes of each packed message of :func:`messages` (padding between packed buffers included)."""
-    offsets, _ = padded_offsets(sizes)
-    return [offsets[b] + sizes[b] - offsets[a] for a, b in messages(sizes)]
 
 
 def _fetch_chained(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site, deadline: float,
@@ -427,7 +215,7 @@ class _RelayReceive:
             # The producer serves a resumed fetch at once (no GO), so none is sent below.
             recvs, source = self._resume(source, 0, e), producer
         extra: List[Any] = []
-        if head and _control.waits_for_go("gloo", self.meta.nbytes):
+        if head and waits_for_go("gloo", self.meta.nbytes):
             extra.append(self.group.backend.isend(torch.ones(1, dtype=torch.uint8), producer,
                                                   make_tag(TAG_OBJECT, tag_base + n)))
         poll = self.table.pollers().submit(self._ask_next, False)  # reused threads: nothing to start per fetch
@@ -483,7 +271,7 @@ class _RelayReceive:
         payload = (meta.obj_id + bytes.fromhex(group.uid)
                    + struct.pack("!IIIBI", group.rank, tag_base, _wait_ms(self.deadline), FLAG_RESUME, k))
         try:
-            control_request(self.ctx, meta, _control.REQ_FETCH_GROUP, _control.KEY_GROUP,
+            control_request(self.ctx, meta, REQ_FETCH_GROUP, _control.KEY_GROUP,
                             group.backend.config.secret, payload, max(self.deadline - time.monotonic(), 1e-3))
             return self._post(producer, tag_base, k)
         except Exception as e:  # noqa: BLE001 - typed: the dead relay, the producer and the object are named
@@ -503,7 +291,7 @@ class _RelayReceive:
         payload = (meta.obj_id + bytes.fromhex(group.uid)
                    + struct.pack(_relay.NEXT_REQUEST, group.rank, self.cid, _wait_ms(self.deadline), final))
         try:
-            reply = control_request(self.ctx, meta, _control.REQ_RELAY_NEXT, _control.KEY_GROUP,
+            reply = control_request(self.ctx, meta, REQ_RELAY_NEXT, _control.KEY_GROUP,
                                     group.backend.config.secret, payload, max(self.deadline - time.monotonic(), 1e-3))
             rank, tags = struct.unpack(_relay.NEXT_REPLY, reply)
         except Exception as e:  # noqa: BLE001 - without an answer we forward to nobody; a follower falls back

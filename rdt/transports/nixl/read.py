@@ -26,12 +26,12 @@ from rdt_transports import _lifecycle
 from rdt_transports._memcopy import copy_parts
 
 from ..._objects.stream_ready import wait_ready
-from ..base import SetupFailed, block_views, padded_offsets
+from ..base import Context, SetupFailed, TransportState
+from ..receive import block_views, padded_offsets
 from .targets import TargetRegistrations
 from ..storage_cache import StorageCache
 
 if TYPE_CHECKING:
-    from ..._process.context import RdtContext
     from ..._objects.table import Entry
 
 _available: Optional[bool] = None
@@ -187,8 +187,9 @@ def storage_key(buf: torch.Tensor) -> RegKey:
     return mem_type_of(buf), max(buf.get_device(), 0), storage.data_ptr(), storage.nbytes()
 
 
-class NixlAgent:
-    """This process's NIXL agent, which remote agents it has loaded, and its producer-side registrations.
+class NixlAgent(TransportState):
+    """This process's NIXL agent, which remote agents it has loaded, and its producer-side registrations: the
+    "nixl" transport's per-process state (trimmed and closed by the context through its hooks).
 
     Producer side: one registration per storage (:attr:`registrations`, keyed by :func:`storage_key`), made when the
     first object using the storage is registered and deregistered with the last one; a GPUDirect registration costs
@@ -243,6 +244,14 @@ class NixlAgent:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def trim(self) -> None:
+        """The context's reaper: drop the registrations of storages that died since."""
+        self.registrations.sweep()
+
+    def close(self) -> None:
+        """At shutdown, after every object was released (and its memory deregistered): stop the progress thread."""
+        self.stop(_lifecycle.JOIN_TIMEOUT_S)
 
     def _progress(self, period: float = 0.002) -> None:
         while not self._stop.wait(period):
@@ -318,13 +327,9 @@ class NixlAgent:
             pass
 
 
-def agent(ctx: "RdtContext") -> NixlAgent:
+def agent(ctx: "Context") -> NixlAgent:
     """The context's agent, created on first use (creation takes ~0.4 s)."""
-    if ctx.nixl is None:
-        with ctx._lock:
-            if ctx.nixl is None:
-                ctx.nixl = NixlAgent(f"rdt-{ctx.instance.hex()}")
-    return ctx.nixl
+    return ctx.transport_state("nixl", lambda: NixlAgent(f"rdt-{ctx.instance.hex()}"))
 
 
 def _sync_cuda(bufs: List[torch.Tensor]) -> None:
@@ -333,7 +338,7 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
         torch.cuda.current_stream(dev).synchronize()
 
 
-def register(ctx: "RdtContext", entry: "Entry") -> NixlInfo:
+def register(ctx: "Context", entry: "Entry") -> NixlInfo:
     """Describe an object's buffers for consumers (once per object), registering each storage it uses unless a live
     object registered it already; the object counts as one user of each (see :func:`release`). An object of many
     small CPU buffers is packed into one registered block instead (:func:`_packs`)."""
@@ -476,15 +481,16 @@ class BlockPool:
             return len(self._idle)
 
 
-def release(ctx: "RdtContext", entry: "Entry") -> None:
+def release(ctx: "Context", entry: "Entry") -> None:
     """The object was freed: it is one user fewer of each storage registration (the last one deregisters), and a
     packed object's block goes back to the pool."""
     known = entry.exports.pop("nixl", None)
-    if known is None or ctx.nixl is None:
+    ag: Optional[NixlAgent] = ctx.peek_transport_state("nixl")
+    if known is None or ag is None:
         return
-    ctx.nixl.registrations.release_many(list(known[0]))  # never raises
+    ag.registrations.release_many(list(known[0]))  # never raises
     if len(known) > 2:
-        ctx.nixl.blocks.give(known[2])
+        ag.blocks.give(known[2])
 
 
 def encode_info(info: NixlInfo) -> bytes:
@@ -540,7 +546,7 @@ def decode_info(data: bytes) -> NixlInfo:
     return NixlInfo(name, md, mem, tuple(descs), tuple(_MEM_NAMES[c] for c in codes), tuple(extra), bool(flags))
 
 
-def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float,
+def fetch(ctx: "Context", info: NixlInfo, device: torch.device, timeout: float,
           dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
     """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
 
@@ -564,7 +570,7 @@ class _Parked(TimeoutError):
     """A READ timed out but may still be moving data: its memory was parked on the agent."""
 
 
-def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
+def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
           timeout: float, dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
     """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
@@ -600,7 +606,7 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
     return dst
 
 
-def _read_block(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, timeout: float) -> Any:
+def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -> Any:
     """The READ of an object of many DRAM buffers into one fresh block: one registration and no tensor per
     buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
     descs = info.descs

@@ -11,12 +11,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..._control import server as _control
+from ..._control import wire as _control
 from . import read as _nixl_objects
 from ..._objects.meta import ObjectMeta
-from ..._control.peer import control_request, died, err, probe, unreachable
+from ..._control.peer import control_request, died, probe, unreachable
+from ..._control.wire import err
 from ...errors import ObjectFetchError
 from ..base import Capabilities, Fetched, Served, Site, Transport, Unusable
+
+
+REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, binary (read.encode_info)
 
 
 class NixlTransport(Transport):
@@ -27,19 +31,22 @@ class NixlTransport(Transport):
             return None  # auto: registered when the first consumer asks
         return _nixl_objects.register(ctx, entry)
 
+    def available(self) -> bool:
+        return _nixl_objects.available()
+
     def unusable(self, ctx: Any, meta: ObjectMeta, site: Site) -> Optional[Unusable]:
-        if not _nixl_objects.available():
+        if not self.available():
             return Unusable("NIXL is not installed in this process", ObjectFetchError(
                 f"{meta.describe()} needs NIXL, which is not installed in this process", object_id=meta.id_hex,
                 hint="pip install 'rdt[nixl]'"))
-        if not meta.producer.nixl:
+        if self.name in meta.producer.missing:
             return Unusable("NIXL is not installed in the producer")
         return None
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
         info = meta.export("nixl")
         if info is None:
-            resp = control_request(ctx, meta, _control.REQ_PREPARE_NIXL, _control.KEY_PROCESS,
+            resp = control_request(ctx, meta, REQ_PREPARE_NIXL, _control.KEY_PROCESS,
                                    meta.producer.process_key, meta.obj_id, _left(deadline))
             info = _nixl_objects.decode_info(resp)
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
@@ -54,13 +61,14 @@ class NixlTransport(Transport):
             raise
 
     def handlers(self) -> Dict[int, Served]:
-        return {_control.REQ_PREPARE_NIXL: (_serve_prepare, (_control.KEY_PROCESS,))}
+        return {REQ_PREPARE_NIXL: (_serve_prepare, (_control.KEY_PROCESS,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
         _nixl_objects.release(ctx, entry)
 
     def exported(self, ctx: Any) -> int:
-        return len(ctx.nixl.registrations) if ctx.nixl is not None else 0
+        ag = ctx.peek_transport_state(self.name)
+        return len(ag.registrations) if ag is not None else 0
 
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:

@@ -15,7 +15,6 @@ still names the object proves the bytes came from the live object (and from the 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import threading
@@ -109,19 +108,6 @@ def _read_once(pid: int, local: int, remote: int, n: int) -> None:
 def _read_batched(pid: int, parts: Sequence[Tuple[int, int, int]]) -> None:
     """Many (local, remote, n) ranges in one process_vm_readv per 1024: one syscall, not one per buffer."""
     _low.batched(_READV, pid, parts)
-
-
-def gather(parts: Sequence[Tuple[int, int, int]]) -> None:
-    """Copy many (dest, src, n) byte ranges within this process: one process_vm_readv on our own pid per 1024
-    ranges where the kernel allows it, else one memmove each (packing a thousand small tensors costs one call)."""
-    if _READV is not None:
-        try:
-            _read_batched(os.getpid(), parts)
-            return
-        except CmaError:
-            pass
-    for dest, src, n in parts:
-        ctypes.memmove(dest, src, n)
 
 
 class _DeniedPids:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from rdt_transports import _lifecycle, _proc
-from rdt_transports._proc import pid_alive  # rdt's modules and tests check liveness through _shm
+from rdt_transports._proc import pid_alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"

@@ -20,13 +20,19 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import cma as _cma, segments as _shm, shared_maps as _shm_map
-from ..._control import server as _control
+from .state import ShmState, state
+from ..._control import wire as _control
 from ..._objects.stream_ready import wait_ready
 from ..._objects.meta import ObjectMeta
-from ..._control.peer import control_request, died, err, freed, producer_alive
-from ..base import BlockViews, Capabilities, Fetched, Served, Site, Targets, Transport, block_views, landing
+from ..._control.peer import control_request, died, freed, producer_alive
+from ..._control.wire import err
+from ..base import Capabilities, Fetched, Served, Site, Transport
+from ..receive import BlockViews, Targets, block_views, landing
 
 logger = logging.getLogger("rdt")
+
+
+REQ_PREPARE_SHM = 2  # payload: obj_id(16); answer: the segment's name, NUL, n(u32) and n (offset, size) u64 pairs
 
 
 @dataclass(frozen=True)
@@ -44,25 +50,26 @@ class ShmTransport(Transport):
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[ShmDescriptor]:
         wait_ready(entry)  # consumers read the producer's memory one-sidedly from here on
-        if ctx.cma_readable():
+        if state(ctx).readable(ctx.config):
             guard = entry.exports["cma_guard"] = _cma.guard_for(entry.obj_id)
             return ShmDescriptor(cma=_cma.CmaInfo(guard.ctypes.data, tuple(entry.flat.ranges)),
                                  maps=_shm_map.describe(entry.flat.spans))
         if chosen == "shm":
-            seg = entry.exports["shm"] = ctx.shm_pool.write(entry.buffers, entry.obj_id)
+            seg = entry.exports["shm"] = state(ctx).pool.write(entry.buffers, entry.obj_id)
             return ShmDescriptor(segment=seg)
         return None  # auto: a segment only when a consumer asks
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
         desc: Optional[ShmDescriptor] = meta.export("shm")
         info = desc.cma if desc is not None else None
-        if info is not None and ctx.config.shm_cma and not ctx.cma.denied(meta.producer.pid):
+        if info is not None and ctx.config.shm_cma and not state(ctx).cma.denied(meta.producer.pid):
+            shm = state(ctx)
             bufs = _landings(ctx, meta, site)
             dests = bufs.addresses() if isinstance(bufs, (BlockViews, Targets)) else [b.data_ptr() for b in bufs]
             try:
-                if desc.maps is not None and ctx.config.shm_map and _read_mapped(ctx, meta, desc.maps, info, dests):
+                if desc.maps is not None and ctx.config.shm_map and _read_mapped(shm, meta, desc.maps, info, dests):
                     return Fetched(bufs, "shm-map")
-                ctx.cma.read(meta.producer.pid, info, dests, meta.obj_id)
+                shm.cma.read(meta.producer.pid, info, dests, meta.obj_id)
                 return Fetched(bufs, "shm-direct")
             except _cma.CmaError as e:
                 # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
@@ -70,7 +77,7 @@ class ShmTransport(Transport):
                 logger.debug("rdt: direct read of %s failed (%s); asking the producer for a segment", meta.id_hex, e)
         seg = desc.segment if desc is not None else None
         if seg is None:
-            resp = control_request(ctx, meta, _control.REQ_PREPARE_SHM, _control.KEY_PROCESS,
+            resp = control_request(ctx, meta, REQ_PREPARE_SHM, _control.KEY_PROCESS,
                                    meta.producer.process_key, meta.obj_id, max(deadline - time.monotonic(), 1e-3))
             name, _, body = resp.partition(b"\0")
             (n,) = struct.unpack_from("!I", body)
@@ -81,8 +88,14 @@ class ShmTransport(Transport):
             raise died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
         return Fetched(_map(ctx, meta, seg.name, seg.layout), "shm-segment")
 
+    def start(self, ctx: Any) -> None:
+        state(ctx)  # unlinks dead processes' segments now; exit unlinks ours
+
+    def stats(self, ctx: Any) -> Dict[str, Any]:
+        return state(ctx).stats()
+
     def handlers(self) -> Dict[int, Served]:
-        return {_control.REQ_PREPARE_SHM: (_serve_prepare, (_control.KEY_PROCESS,))}
+        return {REQ_PREPARE_SHM: (_serve_prepare, (_control.KEY_PROCESS,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
         guard = entry.exports.pop("cma_guard", None)
@@ -90,25 +103,25 @@ class ShmTransport(Transport):
             _cma.clear(guard)  # first: a direct read that ends after this sees the object gone
         seg = entry.exports.pop("shm", None)
         if seg is not None:
-            ctx.shm_pool.release(seg)
+            state(ctx).pool.release(seg)
 
 
-def _read_mapped(ctx: Any, meta: ObjectMeta, maps: _shm_map.MapInfo, info: _cma.CmaInfo,
+def _read_mapped(shm: ShmState, meta: ObjectMeta, maps: _shm_map.MapInfo, info: _cma.CmaInfo,
                  dests: Sequence[int]) -> bool:
     """Copy the object from mappings of the producer's shared storages, then check its guard. False when they cannot
     be mapped (the caller reads directly instead); raises CmaError when the object is gone."""
     try:
-        ctx.shm_maps.read(meta.producer.pid, maps, dests, meta.buffers.sizes)  # the sizes the metadata carries
+        shm.maps.read(meta.producer.pid, maps, dests, meta.buffers.sizes)  # the sizes the metadata carries
     except _shm_map.MapError as e:
         logger.debug("rdt: mapping the shared storages of %s failed (%s); reading directly", meta.id_hex, e)
         return False
-    ctx.cma.check(meta.producer.pid, info, meta.obj_id)
+    shm.cma.check(meta.producer.pid, info, meta.obj_id)
     return True
 
 
 def _map(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tensor]:
     try:
-        return _shm.map_segment(name, layout, meta.obj_id, ctx.unmapper if ctx is not None else None)
+        return _shm.map_segment(name, layout, meta.obj_id, state(ctx).unmapper if ctx is not None else None)
     except FileNotFoundError as e:
         if isinstance(e, _shm.SegmentReused) or producer_alive(ctx, meta):
             raise freed(meta) from e
@@ -124,7 +137,7 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     with entry.lock:
         seg = entry.exports.get("shm")
         if seg is None:
-            seg = entry.exports["shm"] = ctx.shm_pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
+            seg = entry.exports["shm"] = state(ctx).pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
     ctx.stats.add("shm", "out", entry.nbytes)
     body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
     return _control.RESP_OK, seg.name.encode() + b"\0" + body
