@@ -3,8 +3,8 @@
 The kernel copies between two processes' memory in one step, where the caller could ptrace the other process
 (same user, Yama's ``ptrace_scope`` at 0 or absent, or ``CAP_SYS_PTRACE``); elsewhere it fails with EPERM and
 callers fall back to another path. One thread copies about 6 GB/s here and two about 11 GB/s (2 cores), so large
-copies are cut into even shares, one per thread. Shared by the object layer's direct reads (``rdt._cma``) and the
-NIXL backend's same-node writes.
+copies are cut into even shares, one per thread. Shared by the object layer's direct reads
+(``rdt.transports.shm.cma``) and the NIXL backend's same-node writes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rdt.transports.shm import cma as _cma
-from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.nixl import export as nixl_export, read as nixl_read
 from rdt._objects.flatten import flatten
 from rdt._objects.table import Entry, ObjectTable
 
@@ -119,11 +119,11 @@ def test_nixl_consumer_keeps_bounded_remote_metadata_over_3000_fetches() -> None
         for i in range(NIXL_STEPS):
             region = regions[i]
             entry = Entry(secrets.token_bytes(16), flatten(region), "nixl")
-            info = _nixl_objects.register(producer, entry)
+            info = nixl_export.register(producer, entry)
             descs.append(info.descs)
-            got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=10.0)
+            got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=10.0)
             assert torch.equal(got[0], region)
-            _nixl_objects.release(producer, entry)
+            nixl_export.release(producer, entry)
         ag, name = consumer.nixl, producer.nixl.name
         with ag.lock:
             loaded = sum(ag.agent.check_remote_metadata(name, ag.agent.get_xfer_descs(list(d), "DRAM")) for d in descs)

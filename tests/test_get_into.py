@@ -247,7 +247,7 @@ class Consumer:
         import gc
 
         from rdt._process.context import get_context
-        from rdt.transports.nixl.read import agent
+        from rdt.transports.nixl.agent import agent
 
         gc.collect()
         t = agent(get_context()).targets

@@ -18,7 +18,7 @@ import rdt
 import rdt_transports
 from rdt._consumer import resolve as _consumer
 from rdt.transports.cuda_ipc import shares as _cuda_ipc
-from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.nixl import agent as nixl_agent
 from rdt._objects.specs import BufferSpec
 from rdt._objects.meta import GroupRef, ObjectMeta, ProducerInfo
 from rdt.transports import Site, receive
@@ -130,9 +130,9 @@ def test_auto_prefers_cuda_ipc_on_one_node(monkeypatch):
 
 def test_auto_gpu_order_without_ipc(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})  # producer's GPU not visible here
-    monkeypatch.setattr(_nixl_objects, "available", lambda: True)
+    monkeypatch.setattr(nixl_agent, "available", lambda: True)
     assert _consumer.choose(_meta(ipc=_ipc_info(), nixl=True), _site()) == "nixl"
-    monkeypatch.setattr(_nixl_objects, "available", lambda: False)
+    monkeypatch.setattr(nixl_agent, "available", lambda: False)
     ref = GroupRef("u" * 32, "g", "nccl", 0)
     site = _site(groups={"nccl": (object(), ref)})
     assert _consumer.choose(_meta(ipc=_ipc_info(), nixl=True, groups=[ref]), site) == "nccl"
@@ -141,7 +141,7 @@ def test_auto_gpu_order_without_ipc(monkeypatch):
 
 def test_auto_gpu_other_node_skips_ipc(monkeypatch):
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
-    monkeypatch.setattr(_nixl_objects, "available", lambda: False)
+    monkeypatch.setattr(nixl_agent, "available", lambda: False)
     assert _consumer.choose(_meta(ipc=_ipc_info()), _site(same_node=False)) == "object_store"
 
 

@@ -228,7 +228,7 @@ def _fetch_state(state: Dict[str, Any]) -> str:
 
     meta = ObjectMeta.__new__(ObjectMeta)
     object.__setattr__(meta, "__dict__", dict(state))
-    fetched, name = _consumer.fetch(get_context(), meta)
+    fetched, name = _consumer.fetch_buffers(get_context(), meta)
     assert name == "gloo", name
     return fa.checksum(fetched.buffers[0])
 

@@ -15,7 +15,7 @@ import torch
 from rdt._consumer import resolve as _consumer
 from rdt._process import context as _context
 from rdt.transports.cuda_ipc import shares as _cuda_ipc
-from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.nixl import agent as nixl_agent
 from rdt._producer import produce as _producer
 from rdt import transports
 from rdt._objects.specs import BufferSpec, BufferTable
@@ -62,7 +62,7 @@ def test_mixed_object_store_value_keeps_each_buffers_device(ray_cluster, monkeyp
 
 def test_auto_never_picks_a_path_that_cannot_carry_every_buffer(monkeypatch) -> None:
     monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {"GPU-0000": 0})
-    monkeypatch.setattr(_nixl_objects, "available", lambda: True)
+    monkeypatch.setattr(nixl_agent, "available", lambda: True)
     ref = GroupRef("u" * 32, "g", "gloo", 0)
     groups = {"gloo": (object(), ref)}
     assert _consumer.choose(_meta(groups=[ref], nixl=True), _site(groups=groups)) == "object_store"

@@ -36,7 +36,7 @@ from rdt._control.server import ControlServer
 from rdt.transports.group.protocol import REQ_FETCH_GROUP, REQ_RELAY_NEXT
 from rdt.transports.nixl.transport import REQ_PREPARE_NIXL
 from rdt.transports.shm.transport import REQ_PREPARE_SHM
-from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.nixl import descriptors as nixl_descriptors
 from rdt.transports.shm import segments as _shm
 from rdt._control.wire import MAX_FRAME, MAX_SKEW_MS, ProtocolError
 
@@ -116,14 +116,14 @@ def test_fuzz_decode_mutated_valid_frames(payload, msg_type, key_id, cut, flips,
 
 
 def _valid_info(name: str, md: bytes, mem: str, descs: List[Tuple[int, int, int]]) -> bytes:
-    return _nixl_objects.encode_info(_nixl_objects.NixlInfo(name, md, mem, tuple(descs)))
+    return nixl_descriptors.encode_info(nixl_descriptors.NixlInfo(name, md, mem, tuple(descs)))
 
 
 @FUZZ
 @given(st.binary(max_size=300))
 def test_fuzz_decode_info_random_bytes(data: bytes) -> None:
     try:
-        info = _nixl_objects.decode_info(data)
+        info = nixl_descriptors.decode_info(data)
     except ValueError:
         return
     assert info.mem_type in ("DRAM", "VRAM")
@@ -149,12 +149,12 @@ def test_fuzz_decode_info_mutated(name, md, mem, descs, flips, cut, mode) -> Non
     elif mode == "truncate":
         del data[len(data) - 1 - cut % len(data):]
     try:
-        info = _nixl_objects.decode_info(bytes(data))
+        info = nixl_descriptors.decode_info(bytes(data))
     except ValueError:
         assert mode != "as-is"
         return
     if mode == "as-is":
-        assert info == _nixl_objects.NixlInfo(name, md, mem, tuple(descs))
+        assert info == nixl_descriptors.NixlInfo(name, md, mem, tuple(descs))
 
 
 # ---------------------------------------------------------------------------------------------- live server
@@ -397,8 +397,8 @@ def test_decode_info_never_unpickles(tmp_path, pickle_spy) -> None:
     marker = tmp_path / "pwned"
     evil = pickle.dumps(_Evil(str(marker)))
     with pytest.raises(ValueError):
-        _nixl_objects.decode_info(evil)
-    info = _nixl_objects.decode_info(_valid_info("agent", evil, "DRAM", [(1, 2, 0)]))
+        nixl_descriptors.decode_info(evil)
+    info = nixl_descriptors.decode_info(_valid_info("agent", evil, "DRAM", [(1, 2, 0)]))
     assert info.agent_md == evil  # carried as opaque bytes, for NIXL's binary parser
     assert not marker.exists() and calls == []
 

@@ -112,7 +112,7 @@ def _wrap(original: Callable[..., List[Any]]) -> Callable[..., List[Any]]:
             caller = sys._getframe(1).f_code
         except ValueError:  # called straight from Ray's compiled code (a task's arguments): no Python caller
             caller = None
-        if applies(caller):  # an async method's arguments, on its event loop: fetched off the loop (_async_args)
+        if applies(caller):  # an async method's arguments, on its event loop: fetched off the loop (async_args)
             ctx = get_context()
             if getattr(ctx.deferring, "on", False) or getattr(ctx.batching, "deferral", None) is not None:
                 return original(self, serialized_objects, object_refs, *args, **kwargs)

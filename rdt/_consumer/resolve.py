@@ -57,7 +57,7 @@ def resolve(ctx: Any, meta: ObjectMeta, *, timeout: Optional[float] = None, task
             if all(x is not None for x in leaves):
                 return unflatten(meta.skeleton, leaves)
     start = time.monotonic()
-    fetched, name = fetch(ctx, meta, timeout=timeout, task_argument=task_argument)
+    fetched, name = fetch_buffers(ctx, meta, timeout=timeout, task_argument=task_argument)
     elapsed = time.monotonic() - start
     ctx.stats.add(name, "in", meta.nbytes, elapsed, path=fetched.label)
     logger.debug("rdt: fetched object=%s producer=%s path=%s bytes=%d in %.4fs", meta.id_hex,
@@ -86,7 +86,7 @@ def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
         return value
     plan = _into.landing_plan(meta, tensors)
     start = time.monotonic()
-    fetched, name = fetch(ctx, meta, into=plan, timeout=timeout)
+    fetched, name = fetch_buffers(ctx, meta, into=plan, timeout=timeout)
     _into.fill(meta, fetched.buffers, tensors, plan)
     ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
     return value
@@ -148,7 +148,7 @@ def _unfit(ctx: Any, t: Transport, meta: ObjectMeta, site: Site,
     return None
 
 
-def fetch(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...] = (),
+def fetch_buffers(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...] = (),
           timeout: Optional[float] = None, task_argument: Optional[bool] = None) -> Tuple[Fetched, str]:
     """The object's buffers in this process, and the name of the transport that served them."""
     carrier = _self_contained(meta)

@@ -76,9 +76,6 @@ class Flattened:
     def nbytes(self) -> int:
         return self.table.total
 
-    def buffer_specs(self) -> BufferTable:
-        return self.table
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")

@@ -1,9 +1,10 @@
 """The object layer's transport contract: what a transport declares, and the four things it does.
 
-A transport moves one object's buffers (uint8 byte ranges of the producer's storages, see ``_flatten``) from the
-process that produced them to one that asks. It declares :class:`Capabilities`; the consumer core checks them (and
-asks :meth:`Transport.unusable`) before it calls :meth:`Transport.fetch`, so a transport may assume that every
-buffer is on a device it declared and that a common group / the same node exists where it said it needs one.
+A transport moves one object's buffers (uint8 byte ranges of the producer's storages, see
+``rdt._objects.flatten``) from the process that produced them to one that asks. It declares :class:`Capabilities`;
+the consumer core checks them (and asks :meth:`Transport.unusable`) before it calls :meth:`Transport.fetch`, so a
+transport may assume that every buffer is on a device it declared and that a common group / the same node exists
+where it said it needs one.
 
 The life of an object, as seen by a transport:
 
@@ -159,7 +160,8 @@ class Transport(abc.ABC):
 
     def export(self, ctx: Any, entry: "Entry", chosen: str) -> Optional[Any]:
         """Producer, at return (``chosen`` is this transport or "auto"): the descriptor, or None for lazy export.
-        Whatever reads the buffers here or in a handler first calls ``rdt._ready.wait_ready(entry)`` (GPU writes)."""
+        Whatever reads the buffers here or in a handler first calls
+        ``rdt._objects.stream_ready.wait_ready(entry)`` (GPU writes)."""
         return None
 
     def unusable(self, ctx: Any, meta: "ObjectMeta", site: Site) -> Optional[Unusable]:

@@ -11,7 +11,12 @@ from typing import Any, List
 import pytest
 import torch
 
-from rdt.transports.nixl import read as _nixl_objects
+from rdt.transports.nixl import (
+    agent as nixl_agent,
+    descriptors as nixl_descriptors,
+    export as nixl_export,
+    read as nixl_read,
+)
 from rdt._objects.flatten import flatten
 from rdt._objects.table import Entry
 
@@ -48,15 +53,15 @@ def _entry(value: Any) -> Entry:
 def test_weights_returned_100_times_cost_one_registration(agents):
     producer, consumer = agents
     weights = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.arange(64, dtype=torch.float32)}
-    _nixl_objects.agent(producer)
+    nixl_agent.agent(producer)
     empty = _md_size(producer)
     entries: List[Entry] = []
     for step in range(100):  # every step returns the same tensors; the objects stay alive together
         entry = _entry(weights)
-        info = _nixl_objects.register(producer, entry)
+        info = nixl_export.register(producer, entry)
         entries.append(entry)
         if step % 25 == 0:  # a consumer READs through the shared registration
-            got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+            got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)
             assert [g.numel() for g in got] == [4096 * 4, 64 * 4]
             assert torch.equal(got[0].view(torch.float32), weights["w"])
     regs = producer.nixl.registrations
@@ -64,21 +69,21 @@ def test_weights_returned_100_times_cost_one_registration(agents):
     one_each = _md_size(producer)
     assert one_each > empty
     for entry in entries[:-1]:
-        _nixl_objects.release(producer, entry)
+        nixl_export.release(producer, entry)
     assert len(regs) == 2 and _md_size(producer) == one_each  # the last object still uses both
     info = entries[-1].exports["nixl"][1]
-    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)
     assert torch.equal(got[1].view(torch.float32), weights["b"])
-    _nixl_objects.release(producer, entries[-1])
+    nixl_export.release(producer, entries[-1])
     assert len(regs) == 0 and regs.made == 2
-    _nixl_objects.release(producer, entries[-1])  # a second release is harmless
+    nixl_export.release(producer, entries[-1])  # a second release is harmless
     assert len(regs) == 0
     # No object uses them now, but the weights live on: the registrations stay for the next step's object ...
     assert regs.idle() == 2 and _md_size(producer) == one_each
     entry = _entry(weights)
-    _nixl_objects.register(producer, entry)
+    nixl_export.register(producer, entry)
     assert regs.made == 2 and len(regs) == 2 and regs.idle() == 0  # ... which registers nothing
-    _nixl_objects.release(producer, entry)
+    nixl_export.release(producer, entry)
     # ... until the weights die: then the storages' finalizers queue them and a sweep deregisters them.
     del weights, entries, entry, info, got
     gc.collect()
@@ -92,22 +97,22 @@ def test_views_of_one_storage_share_a_registration_and_storages_are_counted_apar
     base = torch.arange(1024, dtype=torch.float32)
     other = torch.ones(256)
     a = _entry({"x": base[:100], "y": base[500:], "z": other})  # x and y view one storage
-    info = _nixl_objects.register(producer, a)
+    info = nixl_export.register(producer, a)
     regs = producer.nixl.registrations
-    assert len(regs) == 2 and regs.users(_nixl_objects.storage_key(base)) == 1  # one user per object, not per view
-    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    assert len(regs) == 2 and regs.users(nixl_agent.storage_key(base)) == 1  # one user per object, not per view
+    got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)
     assert sum(g.numel() for g in got) == sum(b.numel() for b in a.buffers)
     b = _entry(base)  # another object of the same storage
-    _nixl_objects.register(producer, b)
-    assert regs.made == 2 and regs.users(_nixl_objects.storage_key(base)) == 2
-    _nixl_objects.release(producer, a)
-    assert len(regs) == 1 and regs.users(_nixl_objects.storage_key(other)) == 0
-    _nixl_objects.release(producer, b)
+    nixl_export.register(producer, b)
+    assert regs.made == 2 and regs.users(nixl_agent.storage_key(base)) == 2
+    nixl_export.release(producer, a)
+    assert len(regs) == 1 and regs.users(nixl_agent.storage_key(other)) == 0
+    nixl_export.release(producer, b)
     assert len(regs) == 0
     c = _entry(base)  # no object used it meanwhile, but the storage lives: its registration is reused
-    _nixl_objects.register(producer, c)
-    assert regs.made == 2 and regs.users(_nixl_objects.storage_key(base)) == 1
-    _nixl_objects.release(producer, c)
+    nixl_export.register(producer, c)
+    assert regs.made == 2 and regs.users(nixl_agent.storage_key(base)) == 1
+    nixl_export.release(producer, c)
     assert len(regs) == 0
 
 
@@ -115,23 +120,23 @@ def test_an_object_registered_twice_counts_once(agents):
     producer, _ = agents
     t = torch.zeros(128)
     entry = _entry(t)
-    first = _nixl_objects.register(producer, entry)
-    assert _nixl_objects.register(producer, entry) is first  # a second consumer's prepare reuses the description
-    assert producer.nixl.registrations.users(_nixl_objects.storage_key(t)) == 1
-    _nixl_objects.release(producer, entry)
+    first = nixl_export.register(producer, entry)
+    assert nixl_export.register(producer, entry) is first  # a second consumer's prepare reuses the description
+    assert producer.nixl.registrations.users(nixl_agent.storage_key(t)) == 1
+    nixl_export.release(producer, entry)
     assert len(producer.nixl.registrations) == 0
 
 
 def _transfers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     """Spy on the READs posted: the number of remote descriptors of each."""
     posted: List[int] = []
-    keep = _nixl_objects._transfer
+    keep = nixl_read._transfer
 
     def spy(ag, info, plan, regs, keepalive, timeout):
         posted.extend(len(remote) for _, remote, _, _ in plan)
         return keep(ag, info, plan, regs, keepalive, timeout)
 
-    monkeypatch.setattr(_nixl_objects, "_transfer", spy)
+    monkeypatch.setattr(nixl_read, "_transfer", spy)
     return posted
 
 
@@ -141,16 +146,16 @@ def test_many_small_cpu_buffers_are_packed_and_read_with_one_descriptor(agents, 
     producer, consumer = agents
     weights = {f"w{i}": torch.arange(i, i + 3 + i % 5, dtype=torch.float32) for i in range(300)}
     entry = _entry(weights)
-    info = _nixl_objects.register(producer, entry)
+    info = nixl_export.register(producer, entry)
     assert info.packed and len(info.descs) == 300
     assert len(producer.nixl.registrations) == 0  # the storages themselves are not registered
     posted = _transfers(monkeypatch)
-    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)
     assert posted == [1]
     leaves = entry.flat.specs.rebuild(got)
     assert all(torch.equal(a, b) for a, b in zip(leaves, weights.values()))
     # Through the control reply (auto) as through Ray's pickle, the description stays packed.
-    assert _nixl_objects.decode_info(_nixl_objects.encode_info(info)) == info
+    assert nixl_descriptors.decode_info(nixl_descriptors.encode_info(info)) == info
     import pickle
 
     assert pickle.loads(pickle.dumps(info)) == info
@@ -160,7 +165,7 @@ def test_many_small_cpu_buffers_are_packed_and_read_with_one_descriptor(agents, 
     # Targets: each buffer READ straight into its target, from within the packed block.
     targets = [torch.zeros_like(t).view(-1).view(torch.uint8) for t in weights.values()]
     posted.clear()
-    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0, dests=targets)
+    got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0, dests=targets)
     assert posted == [300] and all(g is t for g, t in zip(got, targets))
     assert all(torch.equal(t.view(torch.float32), w) for t, w in zip(targets, weights.values()))
 
@@ -171,30 +176,30 @@ def test_packed_blocks_are_reused_and_the_idle_pool_stays_bounded(agents):
     producer, consumer = agents
     weights = [torch.full((100,), float(i)) for i in range(64)]
     first = _entry(weights)
-    _nixl_objects.register(producer, first)
+    nixl_export.register(producer, first)
     pool = producer.nixl.blocks
     block = first.exports["nixl"][2]
-    _nixl_objects.release(producer, first)
+    nixl_export.release(producer, first)
     assert len(pool) == 1
     again = _entry(weights)
-    info = _nixl_objects.register(producer, again)
+    info = nixl_export.register(producer, again)
     assert again.exports["nixl"][2] is block and len(pool) == 0  # the same registered block
-    got = _nixl_objects.fetch(consumer, info, torch.device("cpu"), timeout=30.0)
+    got = nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)
     assert all(torch.equal(a, b) for a, b in zip(again.flat.specs.rebuild(got), weights))
     entries = [_entry([w.clone() for w in weights]) for _ in range(pool.max_idle + 4)]
     for e in entries:
-        _nixl_objects.register(producer, e)
+        nixl_export.register(producer, e)
     for e in entries + [again]:
-        _nixl_objects.release(producer, e)
+        nixl_export.release(producer, e)
     assert len(pool) == pool.max_idle  # the rest were deregistered
 
 
 def test_large_or_few_buffers_are_not_packed(agents):
     """Few buffers, large ones, or more than PACK_MAX in all: registered in place, as before."""
     producer, _ = agents
-    few = [torch.ones(10) for _ in range(_nixl_objects.PACK_MIN - 1)]
-    large = [torch.ones(_nixl_objects.PACK_MEAN // 4 + 1) for _ in range(_nixl_objects.PACK_MIN)]
+    few = [torch.ones(10) for _ in range(nixl_export.PACK_MIN - 1)]
+    large = [torch.ones(nixl_export.PACK_MEAN // 4 + 1) for _ in range(nixl_export.PACK_MIN)]
     for value in (few, large):
         entry = _entry(value)
-        assert not _nixl_objects.register(producer, entry).packed
-        _nixl_objects.release(producer, entry)
+        assert not nixl_export.register(producer, entry).packed
+        nixl_export.release(producer, entry)

@@ -122,7 +122,7 @@ class ShareCache(StorageCache[ShareKey, Tuple[Any, ...]]):
     torch adds a reference slot and an inter-process event for every ``_share_cuda_`` call, so sharing at every
     return of weights returned each step grows both without bound (and past torch's event cap every export
     synchronises). Here a storage is shared on its first use, counted per object, and its share settled when the
-    last object using it is freed (see ``_storage_cache``). ``share``/``settle`` are injected (torch's in
+    last object using it is freed (see ``rdt.transports.storage_cache``). ``share``/``settle`` are injected (torch's in
     production) so the bookkeeping is tested without CUDA.
     """
 
@@ -165,7 +165,8 @@ def export(entry: Any, cache: ShareCache, ipc_map: bool = False,
 
     A fresh share carries an IPC event torch records on the stream current now (at return), which the consumer
     waits on; a reused share carries the event of its first export, which does not cover this object's pending
-    writes. So where a share was reused, ``wait_ready(entry)`` (``_ready.wait_ready``) blocks until they are done.
+    writes. So where a share was reused, ``wait_ready(entry)`` (``rdt._objects.stream_ready.wait_ready``) blocks
+    until they are done.
     """
     items: List[IpcBuffer] = []
     keys: List[ShareKey] = []
@@ -214,7 +215,7 @@ def _open(b: IpcBuffer, index: int) -> torch.Tensor:
     return t
 
 
-def fetch(info: CudaIpcInfo, device: Optional[torch.device] = None,
+def open_object(info: CudaIpcInfo, device: Optional[torch.device] = None,
           map_only: Optional[bool] = None) -> List[torch.Tensor]:
     """Open (and by default copy) every buffer; raises RuntimeError when a handle cannot be opened."""
     from ...errors import UnsupportedError

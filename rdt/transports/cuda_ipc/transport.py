@@ -1,4 +1,4 @@
-"""CUDA IPC objects: a consumer on the producer's node opens the producer's GPU memory (see ``_cuda_ipc``).
+"""CUDA IPC objects: a consumer on the producer's node opens the producer's GPU memory (see ``shares``).
 
 Export: handles for every buffer, at return ("cuda_ipc"; under "auto" when every buffer is on a GPU, never a
 reason to fail the return). Fetch: copy into this process's GPU, or map (``ipc_map=True``) and keep the producer's
@@ -57,7 +57,7 @@ class CudaIpcTransport(Transport):
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
         info = meta.export("cuda_ipc")
-        bufs = _cuda_ipc.fetch(info)
+        bufs = _cuda_ipc.open_object(info)
         return Fetched(bufs, "cuda_ipc-map" if info.map else "cuda_ipc",
                        keepalive=meta.token if info.map else None)
 

@@ -12,7 +12,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..._control import wire as _control
-from . import read as _nixl_objects
+from . import agent as _agent
+from .descriptors import NixlInfo, decode_info, encode_info
+from .export import register, release
+from .read import read_object
 from ..._objects.meta import ObjectMeta
 from ..._control.peer import control_request, died, probe, unreachable
 from ..._control.wire import err
@@ -26,13 +29,13 @@ REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, bina
 class NixlTransport(Transport):
     capabilities = Capabilities(name="nixl", devices=frozenset({"cpu", "cuda"}), one_sided=True, auto_priority=30)
 
-    def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[_nixl_objects.NixlInfo]:
+    def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[NixlInfo]:
         if chosen != "nixl":
             return None  # auto: registered when the first consumer asks
-        return _nixl_objects.register(ctx, entry)
+        return register(ctx, entry)
 
     def available(self) -> bool:
-        return _nixl_objects.available()
+        return _agent.available()
 
     def unusable(self, ctx: Any, meta: ObjectMeta, site: Site) -> Optional[Unusable]:
         if not self.available():
@@ -48,10 +51,10 @@ class NixlTransport(Transport):
         if info is None:
             resp = control_request(ctx, meta, REQ_PREPARE_NIXL, _control.KEY_PROCESS,
                                    meta.producer.process_key, meta.obj_id, _left(deadline))
-            info = _nixl_objects.decode_info(resp)
+            info = decode_info(resp)
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
         try:
-            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline), site.into), "nixl")
+            return Fetched(read_object(ctx, info, device, _left(deadline), site.into), "nixl")
         except TimeoutError as e:  # other errors (NIXL's own) are named by the consumer core, which probes alike
             state, why = probe(ctx, meta)
             if state == "dead":
@@ -64,7 +67,7 @@ class NixlTransport(Transport):
         return {REQ_PREPARE_NIXL: (_serve_prepare, (_control.KEY_PROCESS,))}
 
     def release(self, ctx: Any, entry: Any) -> None:
-        _nixl_objects.release(ctx, entry)
+        release(ctx, entry)
 
     def exported(self, ctx: Any) -> int:
         ag = ctx.peek_transport_state(self.name)
@@ -77,9 +80,9 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     if entry is None:
         return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
     with entry.lock:
-        info = _nixl_objects.register(ctx, entry)
+        info = register(ctx, entry)
     ctx.stats.add("nixl", "out", entry.nbytes)
-    return _control.RESP_OK, _nixl_objects.encode_info(info)
+    return _control.RESP_OK, encode_info(info)
 
 
 def _left(deadline: float) -> float:

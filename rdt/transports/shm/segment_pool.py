@@ -3,7 +3,7 @@
 Filling fresh tmpfs pages costs about 6x more than copying into pages that already exist (128 MiB: ~80 ms
 against ~10 ms on a 2-core VM). When an object that went through shared memory is freed, its segment waits here
 (bounded in bytes, dropped after ``ttl`` seconds idle) for the next object of a similar size. A segment is
-reused only once no consumer maps it any more (see the locking rule in ``_shm``); one still mapped stays
+reused only once no consumer maps it any more (see the locking rule in ``segments``); one still mapped stays
 unavailable until its consumers let go or it expires. Everything here is unlinked at exit, and a killed
 producer's segments are reaped by the next rdt process on the node like any other.
 """

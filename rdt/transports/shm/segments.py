@@ -3,7 +3,7 @@
 The producer copies an object's buffers once into a private (0600) segment with an unguessable name that embeds
 its pid; consumers map it copy-on-write (MAP_PRIVATE), so a consumer that writes to its tensors changes only its
 own pages, never the producer's or another consumer's. Segments are unlinked (or kept in the producer's pool,
-see ``_shm_pool``) when the object is freed, unlinked at exit, and by any later rdt process on the node that
+see ``segment_pool``) when the object is freed, unlinked at exit, and by any later rdt process on the node that
 finds the owner pid dead.
 
 A segment starts with a header naming the object it holds, and every consumer mapping holds a shared ``flock``

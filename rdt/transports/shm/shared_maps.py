@@ -2,12 +2,12 @@
 
 A trainer whose weights live in shared memory (torch's ``share_memory_()``, e.g. ``model.share_memory()``) holds
 each storage as an unlinked tmpfs file it keeps open. A consumer that may read the producer's memory (the rule
-``_cma`` checks) may also open those files through ``/proc/<pid>/fd``. It maps each one once, keeps the mapping
+``cma`` checks) may also open those files through ``/proc/<pid>/fd``. It maps each one once, keeps the mapping
 while it is used (a trainer publishes the same storages every step), and copies from it on every core: one
 user-space copy with streaming stores (``rdt_transports._memcopy``), no kernel copy per byte range, and no
 page-table work after the first sync.
 
-As for a direct read, the consumer reads the object's guard (``_cma``) after the copy: only a guard that still
+As for a direct read, the consumer reads the object's guard (``cma``) after the copy: only a guard that still
 names the object proves the bytes came from the live object. A mapping unused for ``ttl`` seconds, or of a
 producer that died, is unmapped by :meth:`MapReader.trim` (rdt's reaper), so a consumer keeps a storage the
 producer freed for at most that long.

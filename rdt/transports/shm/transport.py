@@ -1,8 +1,8 @@
 """Same-node objects: a copy from the producer's shared storages, a direct read of the producer's memory
 (``process_vm_readv``), or a shared-memory segment.
 
-Export: where the kernel lets same-node consumers read this process (see ``_cma``), a guard naming the object and
-the buffers' addresses, and where the buffers live in shared memory, the files behind them (``_shm_map``);
+Export: where the kernel lets same-node consumers read this process (see ``cma``), a guard naming the object and
+the buffers' addresses, and where the buffers live in shared memory, the files behind them (``shared_maps``);
 otherwise, for an explicit "shm" object, a segment written at return. Fetch: a copy from cached mappings of those
 files, else a direct read, into the caller's targets or recycled receive buffers; any failed read asks the
 producer, which answers authoritatively (a segment written on demand, the object freed, or nothing: the producer
