@@ -65,6 +65,41 @@ def test_register_transport_refuses_bad_input():
         transports.get("no_such_transport")
 
 
+def test_two_handlers_for_one_control_message_are_refused():
+    """A transport may not take a control message another handler serves (a built-in's, or the channel's own);
+    the group transports, which share one handler per message, are one server of it."""
+    from rdt._control.wire import REQ_PING, USER_MESSAGES_FROM
+
+    def serve(ctx, key_id, payload):  # pragma: no cover - never called
+        raise AssertionError
+
+    class Taker(transports.Transport):
+        capabilities = transports.Capabilities(name="taker", devices=frozenset({"cpu"}))
+
+        def __init__(self, msg: int) -> None:
+            self.msg = msg
+
+        def fetch(self, ctx, meta, site, deadline):  # pragma: no cover - never called
+            raise AssertionError
+
+        def handlers(self):
+            return {self.msg: (serve, (0,))}
+
+    group_msgs = set(transports.get("gloo").handlers())
+    assert group_msgs == set(transports.get("nccl").handlers()) and set(transports.served()) >= group_msgs
+    for msg, owner in ((min(group_msgs), "'gloo'"), (REQ_PING, "control channel")):
+        with pytest.raises(InvalidArgumentError, match=owner):
+            rdt.register_transport(Taker(msg))
+        assert "taker" not in transports.names()
+    rdt.register_transport(Taker(USER_MESSAGES_FROM))
+    try:
+        assert transports.served()[USER_MESSAGES_FROM][0] == "taker"
+        assert "taker" in rdt.TRANSPORTS and rdt.TRANSPORTS[-1] == "auto"  # the list is the registry's
+    finally:
+        transports.unregister_transport("taker")
+    assert "taker" not in rdt.TRANSPORTS
+
+
 @pytest.fixture(scope="module")
 def nodes(ray_cluster):
     actors = [Node.remote() for _ in range(2)]
