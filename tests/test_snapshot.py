@@ -23,23 +23,14 @@ TRANSPORTS = ("shm", "gloo", "nixl", "auto")
 _seed = itertools.count(1)
 
 
-# Fails on main (010bdc2): the snapshot's clones replace the buffers but not the addresses derived from them, so
-# direct reads (shm, auto) and gloo's packed runs (buffers under 256 KiB) read the originals.
-ON_MAIN = pytest.mark.xfail(strict=True, raises=AssertionError, reason="snapshot=True serves the originals' addresses (issue 29)")
+def _marks(transport: str) -> list:
+    return [pytest.mark.skipif(transport == "nixl" and not HAS_NIXL, reason="nixl not installed")]
 
 
-def _fails_on_main(size: str, transport: str) -> bool:
-    return transport in ("shm", "auto") or (transport == "gloo" and size != "20x256KiB")
-
-
-def _marks(transport: str, fails: bool) -> list:
-    return ([pytest.mark.skipif(transport == "nixl" and not HAS_NIXL, reason="nixl not installed")]
-            + ([ON_MAIN] if fails else []))
-
-
-CASES = [pytest.param(size, t, action, marks=_marks(t, _fails_on_main(size, t)), id=f"{size}-{t}-{action}")
+# On main (010bdc2) the shm and auto cases, and gloo's except 20x256KiB, got the changed bytes or garbage.
+CASES = [pytest.param(size, t, action, marks=_marks(t), id=f"{size}-{t}-{action}")
          for size in SIZES for t in TRANSPORTS for action in ("mutate", "free")]
-PUT_CASES = [pytest.param(t, marks=_marks(t, t in ("shm", "auto")), id=t) for t in TRANSPORTS]
+PUT_CASES = [pytest.param(t, marks=_marks(t), id=t) for t in TRANSPORTS]
 
 
 @pytest.fixture(scope="module")
