@@ -22,6 +22,8 @@ import torch
 
 import rdt
 
+from ._gpu_table import format_markdown  # noqa: F401 - re-exported
+
 PAGE_FLOATS = 1024
 
 
@@ -92,56 +94,117 @@ def _time(fn: Callable[[], List[Any]], want: float, iters: int, warmup: int) -> 
     return {"median_s": statistics.median(times), "path": out[-1], "device": out[1] if len(out) > 2 else "cuda"}
 
 
-def run(sizes: List[int], iters: int, warmup: int) -> List[Dict[str, Any]]:
-    """Every case at every size; a case that cannot run here is a row with its reason."""
+# The cases in the order they run: the riskiest last (a hang there costs only what comes after it).
+CASES = ["cuda_ipc copy", "cuda_ipc map", "auto", "ray.get on the driver", "nixl VRAM->VRAM", "rdt.get(into=) GPU",
+         "nixl VRAM->DRAM", "nccl"]
+CALL_TIMEOUT_S = 60
+
+
+class _Actors:
+    """The benchmark's actors, each made the first time a case needs it (inside that case's ``try``)."""
+
+    def __init__(self) -> None:
+        self._made: Dict[str, Any] = {}
+        self.group: Any = None
+
+    def get(self, name: str) -> Any:
+        if name not in self._made:
+            opts = {"a": {"num_gpus": 0.5}, "b": {"num_gpus": 0.5},
+                    "cpu": {"num_gpus": 0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}},
+                    "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
+            self._made[name] = GpuBench.options(**opts).remote()
+            if name == "p1":
+                self.group = rdt.create_collective_group([self.get("p0"), self._made["p1"]], backend="nccl")
+        return self._made[name]
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                rdt.destroy_collective_group(self.group)
+            except Exception:  # noqa: BLE001 - killing the actors below ends the group anyway
+                pass
+        for actor in self._made.values():
+            ray.kill(actor)
+
+
+def _case(name: str, actors: _Actors, nbytes: int, n_gpus: int) -> Optional[Callable[[], List[Any]]]:
+    """The timed call of one case, after its set-up (actors made, tensors prepared); None when it cannot run here."""
+    def prepared(*names: str) -> List[Any]:
+        return ray.get([actors.get(n).prepare.remote(nbytes) for n in names], timeout=CALL_TIMEOUT_S)
+
+    get = lambda ref: ray.get(ref, timeout=CALL_TIMEOUT_S)  # noqa: E731
+    if name == "nccl":
+        if n_gpus < 2:
+            return None
+        prepared("p0", "p1")
+        p0, p1 = actors.get("p0"), actors.get("p1")
+        return lambda: get(p1.consume.remote(p0.nccl.remote()))
+    if name == "nixl VRAM->DRAM":
+        info = prepared("a", "cpu")
+        if info[1]["cuda"]:
+            raise RuntimeError("the CPU-only consumer still sees CUDA (CUDA_VISIBLE_DEVICES='' did not hide it)")
+        a, cpu = actors.get("a"), actors.get("cpu")
+        return lambda: get(cpu.consume.remote(a.nixl.remote()))
+    if name == "rdt.get(into=) GPU" and not hasattr(rdt, "get"):
+        return None
+    prepared("a", "b")
+    a, b = actors.get("a"), actors.get("b")
+    return {"cuda_ipc copy": lambda: get(b.consume.remote(a.cuda_ipc.remote())),
+            "cuda_ipc map": lambda: get(b.consume.remote(a.cuda_ipc_map.remote())),
+            "auto": lambda: get(b.consume.remote(a.auto.remote())),
+            "ray.get on the driver": lambda: _driver_get(a.auto.remote()),
+            "nixl VRAM->VRAM": lambda: get(b.consume.remote(a.nixl.remote())),
+            "rdt.get(into=) GPU": lambda: get(b.consume_into.remote([a.auto.remote()]))}[name]
+
+
+def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
+        budget: float = float("inf")) -> List[Dict[str, Any]]:
+    """Every case at every size, case by case in CASES order; each row written to ``out`` as it ends, so a kill
+    keeps what was reached. A case that cannot run here, fails or is past ``budget`` is a row with its reason."""
     n_gpus = torch.cuda.device_count()
-    half = {"num_gpus": 0.5}
-    a, b = GpuBench.options(**half).remote(), GpuBench.options(**half).remote()
-    cpu = GpuBench.options(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}).remote()
-    group = None
-    pair = None
-    if n_gpus >= 2:
-        pair = [GpuBench.options(num_gpus=1).remote() for _ in range(2)]
-        group = rdt.create_collective_group(pair, backend="nccl")
+    deadline = time.monotonic() + budget
+    actors = _Actors()
     rows: List[Dict[str, Any]] = []
+    skip_reason = {"rdt.get(into=) GPU": "this build has no rdt.get", "nccl": f"needs two GPUs, found {n_gpus}"}
     try:
-        for nbytes in sizes:
-            info = ray.get([x.prepare.remote(nbytes) for x in (a, b, cpu) + tuple(pair or ())], timeout=120)
-            want = float(len(range(0, nbytes // 4, PAGE_FLOATS)))
-            cases: Dict[str, Optional[Callable[[], List[Any]]]] = {
-                "cuda_ipc copy": lambda: ray.get(b.consume.remote(a.cuda_ipc.remote()), timeout=120),
-                "cuda_ipc map": lambda: ray.get(b.consume.remote(a.cuda_ipc_map.remote()), timeout=120),
-                "nixl VRAM->VRAM": lambda: ray.get(b.consume.remote(a.nixl.remote()), timeout=120),
-                "nixl VRAM->DRAM": (lambda: ray.get(cpu.consume.remote(a.nixl.remote()), timeout=120))
-                if not info[2]["cuda"] else None,
-                "auto": lambda: ray.get(b.consume.remote(a.auto.remote()), timeout=120),
-                "rdt.get(into=) GPU": (lambda: ray.get(b.consume_into.remote([a.auto.remote()]), timeout=120))
-                if hasattr(rdt, "get") else None,
-                "ray.get on the driver": lambda: _driver_get(a.auto.remote()),
-                "nccl": (lambda: ray.get(pair[1].consume.remote(pair[0].nccl.remote()), timeout=120))
-                if pair is not None else None,
-            }
-            for name, fn in cases.items():
+        for name in CASES:
+            for nbytes in sizes:
                 row: Dict[str, Any] = {"case": name, "bytes": nbytes}
-                if fn is None:
-                    row["skipped"] = {"nixl VRAM->DRAM": "the CPU-only consumer still sees CUDA",
-                                      "rdt.get(into=) GPU": "this build has no rdt.get",
-                                      "nccl": f"needs two GPUs, found {n_gpus}"}[name]
+                if time.monotonic() > deadline:
+                    row["skipped"] = f"not run: the benchmark's budget ({budget:.0f} s) was spent"
                 else:
+                    started = time.monotonic()
                     try:
-                        row.update(_time(fn, want, iters, warmup))
+                        fn = _case(name, actors, nbytes, n_gpus)
+                        if fn is None:
+                            row["skipped"] = skip_reason[name]
+                        else:
+                            want = float(len(range(0, nbytes // 4, PAGE_FLOATS)))
+                            row.update(_time(fn, want, iters, warmup))
                     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
-                        row["error"] = f"{type(e).__name__}: {e}"
+                        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                    row["case_s"] = round(time.monotonic() - started, 2)
                 if "median_s" in row:
                     row["GB/s"] = round(nbytes / row["median_s"] / 1e9, 2)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
+                _write(out, rows)
     finally:
-        if group is not None:
-            rdt.destroy_collective_group(group)
-        for actor in (a, b, cpu) + tuple(pair or ()):
-            ray.kill(actor)
+        actors.close()
     return rows
+
+
+def _write(out: Optional[str], rows: List[Dict[str, Any]]) -> None:
+    """The rows so far, replacing the file whole (a reader never sees half a JSON)."""
+    if not out:
+        return
+    import os
+
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows, "gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0),
+                   "torch": torch.__version__}, f, indent=1)
+    os.replace(tmp, out)
 
 
 def _driver_get(ref: Any) -> List[Any]:
@@ -149,23 +212,13 @@ def _driver_get(ref: Any) -> List[Any]:
     return [float(t.view(-1)[::PAGE_FLOATS].sum()), str(t.device), "driver"]
 
 
-def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    """One table: case, size, median time, throughput, the path that served, or why it did not run."""
-    lines = ["| case | size | median ms | GB/s | path | note |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ms = f"{r['median_s'] * 1e3:.3f}" if "median_s" in r else ""
-        note = r.get("error") or r.get("skipped") or ""
-        lines.append(f"| {r['case']} | {r['bytes'] >> 20} MiB | {ms} | {r.get('GB/s', '')} | {r.get('path', '')} "
-                     f"| {note} |")
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1M,64M,256M", help="object sizes (K/M/G binary units)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--out", default=None, help="write the rows as JSON here (after each case)")
+    p.add_argument("--budget", type=float, default=float("inf"), help="seconds: later cases are not started")
     args = p.parse_args(argv)
     from .rdt_bench import parse_size
 
@@ -175,13 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        rows = run(sizes, args.iters, args.warmup)
+        rows = run(sizes, args.iters, args.warmup, args.out, args.budget)
     finally:
         ray.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "gpus": torch.cuda.device_count(),
-                       "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, f, indent=1)
     print(format_markdown(rows))
     return 0 if rows and not any("error" in r for r in rows) else 1
 
