@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import rdt_transports  # noqa: F401 - first: refuses an 'rdt' of another distribution before anything runs
+
 from ._baselines import RayCollectiveImpl, baseline_impls
 from ._compare import CompareError, compare_runs
 from ._cluster import ActorPool, env_mismatch, log, start_ray

@@ -230,7 +230,7 @@ def _import_ucxx() -> Tuple[Any, Any, Any]:
     except Exception as e:  # ImportError, or a missing/broken libucx raising OSError/RuntimeError
         raise BackendUnavailableError(
             f"the ucx backend needs the ucxx package, which cannot be imported: {type(e).__name__}: {e}",
-            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'rdt[ucx]')",
+            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'ray-direct-transport[ucx]')",
         ) from e
     global _UCXXTag, _Array, _hash64bits
     from ucxx._lib.arr import Array
