@@ -8,6 +8,8 @@ else falls back to Ray's object store. Tensors are freed when the last reference
 Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` adds your own.
 """
 
+__distribution__ = "ray-direct-transport"  # the package index's "rdt" is another project: rdt_transports checks this
+
 from . import _ray_hooks  # noqa: F401  (first: fails clearly if the installed Ray lacks a private API rdt needs)
 from . import _context  # noqa: F401 - installs the per-process context getter the transports and metadata use
 from . import _async_args, _batch

@@ -43,7 +43,7 @@ def _module() -> Any:
             return importlib.import_module(name)
         except ImportError:
             continue
-    raise ImportError("no NIXL package: pip install 'rdt[nixl]' (nixl-cu13)")
+    raise ImportError("no NIXL package: pip install 'ray-direct-transport[nixl]' (nixl-cu13)")
 
 
 def available() -> bool:

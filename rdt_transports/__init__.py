@@ -8,6 +8,10 @@ or cupy arrays in place. Every blocking call takes ``timeout=`` and fails with a
 (``algorithm=``), which also run on Gloo for comparison.
 """
 
+from ._distribution import check_rdt
+
+check_rdt()  # first: an 'rdt' from another distribution (the package index's rdt) fails here, naming both
+
 from .collective import (
     DEFAULT_TIMEOUT_S,
     GroupHandle,

@@ -37,9 +37,9 @@ SLACK_S = 5.0  # how much later than its timeout a failing call may return on a 
 
 def _require(backend: str) -> None:
     if backend == "nixl" and not HAS_NIXL:
-        pytest.skip("nixl is not installed (pip install 'rdt[nixl]')")
+        pytest.skip("nixl is not installed (pip install 'ray-direct-transport[nixl]')")
     if backend == "ucx" and not HAS_UCXX:
-        pytest.skip("ucxx is not installed (pip install 'rdt[ucx]')")
+        pytest.skip("ucxx is not installed (pip install 'ray-direct-transport[ucx]')")
 
 
 def assert_error(err: Optional[BaseException], cls: type, *, group: Optional[str] = None,

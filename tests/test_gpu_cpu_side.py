@@ -69,7 +69,7 @@ def test_nccl_backend_unavailable_before_rendezvous():
 
     with pytest.raises(BackendUnavailableError) as ei:
         check_available()
-    assert "rdt[gpu]" in str(ei.value) and "cupy" in str(ei.value) or "CUDA" in str(ei.value)
+    assert "ray-direct-transport[gpu]" in str(ei.value) and "cupy" in str(ei.value) or "CUDA" in str(ei.value)
 
     class Spy:
         calls = []
@@ -252,4 +252,4 @@ def test_create_nccl_group_on_cpu_fails_fast(cpu_nodes):
     assert "rank 0" in msg and "rank 1" in msg and "pip install" in msg
     assert ray.get([a.groups.remote() for a in cpu_nodes]) == [[], []]  # nobody joined anything
     name, text = ray.get(cpu_nodes[0].join_nccl.remote(), timeout=30)
-    assert name == "BackendUnavailableError" and "rdt[gpu]" in text
+    assert name == "BackendUnavailableError" and "ray-direct-transport[gpu]" in text

@@ -30,7 +30,7 @@ class NixlTransport(Transport):
         if not _nixl_objects.available():
             return Unusable("NIXL is not installed in this process", ObjectFetchError(
                 f"{meta.describe()} needs NIXL, which is not installed in this process", object_id=meta.id_hex,
-                hint="pip install 'rdt[nixl]'"))
+                hint="pip install 'ray-direct-transport[nixl]'"))
         if not meta.producer.nixl:
             return Unusable("NIXL is not installed in the producer")
         return None

@@ -12,9 +12,9 @@ Why cupy's bindings and not torch's ``ProcessGroupNCCL``:
 * Point-to-point communicators are our own (see below), so their ordering can be made deadlock-free.
   ``ProcessGroupNCCL`` p2p has no tags and puts both directions of a pair on one communicator.
 
-The cost is an extra package: ``pip install 'rdt[gpu]'`` (cupy-cuda13x, the cu13 build that matches the
-PyPI CUDA torch). cupy and NCCL are imported lazily, only when a group is created. A missing package, a missing
-libnccl or no visible CUDA device raises :class:`BackendUnavailableError` with the fix, before any peer or
+The cost is an extra package: ``pip install 'ray-direct-transport[gpu]'`` (cupy-cuda13x, the cu13 build that
+matches the PyPI CUDA torch). cupy and NCCL are imported lazily, only when a group is created. A missing package, a
+missing libnccl or no visible CUDA device raises :class:`BackendUnavailableError` with the fix, before any peer or
 rendezvous key is touched (:func:`check_available`). ``create_collective_group`` runs that check on every
 actor before rendezvous.
 
@@ -90,8 +90,8 @@ from .base import Backend, BackendConfig, NativeCollectives, Work
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "install the GPU extra on a machine with an NVIDIA GPU: pip install 'rdt[gpu]' (cupy-cuda13x, which loads "
-    "the libnccl that a CUDA build of torch ships in nvidia-nccl-cu13), and give the actor a GPU "
+    "install the GPU extra on a machine with an NVIDIA GPU: pip install 'ray-direct-transport[gpu]' (cupy-cuda13x, "
+    "which loads the libnccl that a CUDA build of torch ships in nvidia-nccl-cu13), and give the actor a GPU "
     "(@ray.remote(num_gpus=1)); on CPU-only machines use backend='gloo'"
 )
 _UID_BYTES = 128

@@ -54,7 +54,7 @@ restricts ``UCX_TLS``). Measured on the 2-core CI machine (UCX 1.21, ucxx 0.52; 
 node, medians of 3 runs each): same-node worker-address endpoints get ``sysv+posix+cma``, 4.5-5.1 GB/s at
 128 MiB and 3.9-4.7 GB/s at 16 MiB; listener endpoints (``RDT_UCX_SAME_NODE=0``, as across nodes) get ``tcp``,
 1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer took 0.95-1.45 ms while completions crossed UCX's progress thread,
-ucxx's notifier thread and an event loop; for progress in the waiting thread see docs/benchmarks.md. CUDA
+ucxx's notifier thread and an event loop; with progress in the waiting thread, 76-93 us (docs/benchmarks.md). CUDA
 tensors are passed through ``__cuda_array_interface__``; the current stream is synchronised when an operation is
 posted. The CUDA path has not been tested (no GPU here).
 """
@@ -230,7 +230,7 @@ def _import_ucxx() -> Tuple[Any, Any, Any]:
     except Exception as e:  # ImportError, or a missing/broken libucx raising OSError/RuntimeError
         raise BackendUnavailableError(
             f"the ucx backend needs the ucxx package, which cannot be imported: {type(e).__name__}: {e}",
-            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'rdt[ucx]')",
+            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'ray-direct-transport[ucx]')",
         ) from e
     global _UCXXTag, _Array, _hash64bits
     from ucxx._lib.arr import Array
