@@ -86,6 +86,15 @@ class Consumer:
         except Exception as e:  # noqa: BLE001 - the test checks which
             return type(e).__name__, str(e), time.monotonic() - start
 
+    def fetch(self, refs: List[Any], timeout: float) -> Tuple[str, str, float]:
+        """rdt.get into fresh tensors: ("ok" or the error's type name, the message, seconds taken)."""
+        start = time.monotonic()
+        try:
+            rdt.get(refs[0], timeout=timeout)
+            return "ok", "", time.monotonic() - start
+        except Exception as e:  # noqa: BLE001 - the test checks which
+            return type(e).__name__, str(e), time.monotonic() - start
+
     def digest(self) -> str:
         return _digest(self.params)
 
@@ -123,30 +132,85 @@ def trio(ray_cluster):
         ray.kill(a)
 
 
-def _stall_and_time_out(stalled: Any, c: Any, fill: float, stall_s: float, timeout: float) -> Tuple[str, float]:
-    """Stall the producer, then let a fetch of its object time out; (its error message, when the stall ends)."""
+def _stall_and_time_out(stalled: Any, c: Any, fill: float, stall_s: float,
+                        timeout: float) -> Tuple[str, float, Any]:
+    """Stall the producer, then let a fetch of its object time out; (its error message, when the stall ends, the
+    ref: the caller keeps it while the READ may run, or the producer frees the memory that READ still reads)."""
     ref = stalled.weights.remote(fill)
     ray.wait([ref], timeout=60)
     ends = ray.get(stalled.stall.remote(stall_s), timeout=30)
     kind, msg, took = ray.get(c.load.remote([ref], timeout), timeout=60)
     assert kind == "TransferTimeoutError", (kind, msg)
     assert took < timeout + 3.0
-    return msg, ends
+    return msg, ends, ref
 
 
-@pytest.mark.xfail(strict=True, reason="fails on main: the parked READ of step k lands in the targets after step k+1")
 def test_parked_read_never_overwrites_a_later_successful_fetch(trio) -> None:
     """Step k's READ times out (its producer stalled); step k+1 from another producer into the same targets
-    succeeds; once step k's READ has ended, the targets still hold step k+1's bytes."""
+    succeeds (it waits for step k's READ to end); afterwards the targets hold step k+1's bytes."""
     stalled, healthy, c = trio
     assert ray.get(c.where.remote(), timeout=30).startswith(rdt.__file__.rsplit("/rdt/", 1)[0])
-    _, ends = _stall_and_time_out(stalled, c, 1.0, 4.0, 0.5)
+    _, ends, ref = _stall_and_time_out(stalled, c, 1.0, 4.0, 0.5)
     assert ray.get(c.parked.remote(), timeout=30) == 1
+    assert time.time() < ends - 1.0, "the stall nearly ended before step k+1 started: the test would prove nothing"
     kind, msg, _ = ray.get(c.load.remote([healthy.weights.remote(2.0)], 30.0), timeout=60)
     assert kind == "ok", msg
-    assert time.time() < ends, "the stall ended before step k+1 was fetched: the test proves nothing"
     time.sleep(max(ends - time.time(), 0) + 0.5)
     assert wait_for(lambda: ray.get(c.parked.remote(), timeout=30) == 0, timeout=20), "step k's READ never ended"
     time.sleep(0.5)
     assert ray.get(c.digest.remote(), timeout=30) == _digest(_state(2.0)), "step k's late READ overwrote step k+1"
     assert ray.get(c.busy.remote(), timeout=30) == 0  # the busy table drains with the parked READ
+    del ref  # alive until step k's READ ended: it read live memory
+
+
+def test_fetch_into_busy_targets_fails_naming_the_parked_read_and_moves_nothing(trio) -> None:
+    """While step k's READ is stuck, a fetch into its targets waits its timeout, then raises IntoBusyError naming
+    step k's object; it writes nothing, then or later (re-checked after twice its timeout). With room for one
+    parked READ a further NIXL fetch starts no READ and says why. Once step k's READ ends (its bytes land: the
+    documented cost of a timed-out NIXL fetch into targets) the table drains to zero and the targets take new
+    fetches."""
+    stalled, healthy, c = trio
+    before = ray.get(c.digest.remote(), timeout=30)
+    msg_k, ends, ref = _stall_and_time_out(stalled, c, 3.0, 7.0, 0.5)
+    assert "may write into the 3 into= target(s)" in msg_k, msg_k
+    old = re.search(r"object='([0-9a-f]{32})'", msg_k).group(1)
+    kind, msg, took = ray.get(c.load.remote([healthy.weights.remote(4.0)], 1.0), timeout=60)
+    assert kind == "IntoBusyError", msg
+    assert old[:16] in msg and "still in flight" in msg and "nothing was moved" in msg and "Fix:" in msg, msg
+    assert 1.0 <= took < 4.0
+    time.sleep(2 * 1.0)
+    assert time.time() < ends - 0.5, "the stall ended too early: the check below would prove nothing"
+    assert ray.get(c.digest.remote(), timeout=30) == before, "the failed fetch (or the stuck READ) wrote the targets"
+    ray.get(c.set_max_parked.remote(1), timeout=30)
+    try:
+        kind, msg, took = ray.get(c.fetch.remote([healthy.weights.remote(5.0)], 10.0), timeout=60)
+        assert kind == "ObjectFetchError" and "still in flight" in msg and took < 5.0, (kind, msg, took)
+    finally:
+        ray.get(c.set_max_parked.remote(64), timeout=30)
+    assert wait_for(lambda: ray.get(c.parked.remote(), timeout=30) == 0, timeout=max(ends - time.time(), 0) + 20)
+    assert ray.get(c.busy.remote(), timeout=30) == 0
+    # Step k's own READ landed at its end (its object still alive: ``ref``; a freed one lands whatever its memory
+    # holds by then, so the targets of a failed fetch hold nothing defined until a later fetch into them succeeds).
+    assert ray.get(c.digest.remote(), timeout=30) == _digest(_state(3.0))
+    del ref
+    kind, msg, took = ray.get(c.load.remote([healthy.weights.remote(4.0)], 30.0), timeout=60)
+    assert kind == "ok" and took < 5.0, msg
+    time.sleep(0.5)
+    assert ray.get(c.digest.remote(), timeout=30) == _digest(_state(4.0))
+
+
+def test_killing_a_stuck_producer_ends_its_parked_read_and_frees_the_targets(trio) -> None:
+    """The fix the error names: once the stuck producer dies, its parked READ fails (nothing lands) and the
+    targets take the next fetch at once."""
+    _, healthy, c = trio
+    victim = Producer.options(runtime_env=TCP_ONLY).remote()
+    assert ray.get(c.load.remote([victim.weights.remote(0.5)], 60.0), timeout=120)[0] == "ok"
+    before = ray.get(c.digest.remote(), timeout=30)
+    _stall_and_time_out(victim, c, 6.0, 60.0, 0.5)
+    ray.kill(victim)
+    assert wait_for(lambda: ray.get(c.busy.remote(), timeout=30) == 0, timeout=15)
+    assert ray.get(c.parked.remote(), timeout=30) == 0
+    assert ray.get(c.digest.remote(), timeout=30) == before
+    kind, msg, took = ray.get(c.load.remote([healthy.weights.remote(7.0)], 30.0), timeout=60)
+    assert kind == "ok" and took < 5.0, msg
+    assert ray.get(c.digest.remote(), timeout=30) == _digest(_state(7.0))
