@@ -22,6 +22,7 @@ from ._get import get, get_async, wait_tensor_freed
 from .transports import register_transport
 from ._config import TRANSPORTS
 from .errors import (
+    IntoBusyError,
     IntoMismatchError,
     InvalidArgumentError,
     NoCollectiveGroupError,
@@ -38,5 +39,5 @@ from .errors import (
 __all__ = [
     "tensor_method", "put", "get", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
-    "TransferTimeoutError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
+    "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]

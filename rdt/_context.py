@@ -25,6 +25,7 @@ from rdt_transports._context import get_context as get_transport_context
 
 from . import _cma, _consumer, _control, _producer, _ready, _shm, _shm_map, transports
 from ._alloc import BufferPool
+from ._busy import BusyTargets
 from ._shm_pool import SegmentPool
 from ._config import RdtConfig
 from ._meta import GroupRef, ObjectMeta, ProducerInfo
@@ -129,6 +130,8 @@ class RdtContext:
         # How objects' ready events are made (CUDA events on the stream current at return; see _ready)
         self.stream_discipline = _ready.Discipline()
         self.nixl: Optional[Any] = None  # _nixl_objects.NixlAgent, made on first use
+        # into= target bytes that a failed transfer may still write (a parked NIXL READ); rdt.get(into=) waits
+        self.busy_targets = BusyTargets()
         self.fetch_cache: Dict[Any, Any] = {}
         self.deferring = threading.local()  # .on: ray.get in this thread returns ObjectMeta unresolved (rdt.get)
         self.batching = threading.local()  # .batch: Ray deserializes several objects here; fetches start at once

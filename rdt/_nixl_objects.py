@@ -25,6 +25,7 @@ import torch
 from rdt_transports import _lifecycle
 from rdt_transports._memcopy import copy_parts
 
+from ._busy import BusyTargets
 from ._ready import wait_ready
 from .transports.base import SetupFailed, block_views, padded_offsets
 from ._nixl_targets import TargetRegistrations
@@ -181,6 +182,18 @@ class _Remote:
 RegKey = Tuple[str, int, int, int]  # (memory type, device id, storage address, storage bytes)
 
 
+@dataclass
+class _ParkedRead:
+    """A READ that timed out but may still move data: its handles, local registrations and memory (the caller's
+    targets among it, marked busy under ``hold``) stay until NIXL says it is no longer in progress."""
+
+    handles: List[Any]
+    regs: List[Any]
+    keep: List[torch.Tensor]
+    agent: str
+    hold: Optional[int]
+
+
 def storage_key(buf: torch.Tensor) -> RegKey:
     """The registration that covers ``buf``: its whole untyped storage (weights returned every step map to one)."""
     storage = buf.untyped_storage()
@@ -199,12 +212,17 @@ class NixlAgent:
     whose loads reach ``MAX_LOADS_PER_REMOTE`` is removed and loaded afresh from the current object's metadata,
     and beyond ``MAX_REMOTES`` agents the least recently used idle one (e.g. a producer that died) is removed;
     both only while no READ from that agent is in flight.
+
+    A READ that times out cannot be cancelled (releasing its handle leaves UCX landing the bytes, and loses the only
+    signal that they have landed), so it is parked with its memory until NIXL reports it over, its into= targets
+    marked in ``busy``. At most ``max_parked`` READs are parked: beyond that no new READ starts (:class:`ParkedLimit`).
     """
 
     MAX_LOADS_PER_REMOTE = 256
     MAX_REMOTES = 64
+    MAX_PARKED = 64
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, busy: Optional[BusyTargets] = None) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         api = _module()
         self.name = name
@@ -216,8 +234,11 @@ class NixlAgent:
         self._remotes: "OrderedDict[str, _Remote]" = OrderedDict()  # least recently used first
         # Transfers that timed out but may still be moving data: their destination buffers and registrations
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
-        # memory).
-        self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
+        # memory), and the caller's targets among them stay marked busy (a later fetch into them would be
+        # overwritten).
+        self.parked: List[_ParkedRead] = []
+        self.max_parked = self.MAX_PARKED
+        self.busy = busy if busy is not None else BusyTargets()
         # Kept while the storage lives, not only while an object uses it: the same weights are returned every step.
         self.registrations: StorageCache[RegKey, Any] = StorageCache(self._register_storage, self._deregister,
                                                                      keep_while_alive=True)
@@ -258,18 +279,19 @@ class NixlAgent:
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""
         still = []
-        for handles, regs, dst, name in self.parked:
+        for read in self.parked:
             states = []
-            for handle in handles:
+            for handle in read.handles:
                 try:
                     states.append(self.agent.check_xfer_state(handle))
                 except Exception:
                     states.append("ERR")
             if "PROC" in states:
-                still.append((handles, regs, dst, name))
+                still.append(read)
                 continue
-            _release_all(self.agent, handles, regs)
-            self._done_locked(name)
+            _release_all(self.agent, read.handles, read.regs)
+            self._done_locked(read.agent)
+            self.busy.clear(read.hold)  # its bytes have landed (or never will): the targets are free
         self.parked = still
 
     def ensure_remote(self, name: str, md: bytes, *extra_md: bytes) -> None:
@@ -323,7 +345,8 @@ def agent(ctx: "RdtContext") -> NixlAgent:
     if ctx.nixl is None:
         with ctx._lock:
             if ctx.nixl is None:
-                ctx.nixl = NixlAgent(f"rdt-{ctx.instance.hex()}")
+                # the context's table of busy targets, which rdt.get(into=) checks (a bare context in tests has none)
+                ctx.nixl = NixlAgent(f"rdt-{ctx.instance.hex()}", getattr(ctx, "busy_targets", None))
     return ctx.nixl
 
 
@@ -541,17 +564,19 @@ def decode_info(data: bytes) -> NixlInfo:
 
 
 def fetch(ctx: "RdtContext", info: NixlInfo, device: torch.device, timeout: float,
-          dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
-    """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
+          dests: Sequence[Optional[torch.Tensor]] = (), label: str = "an object") -> List[torch.Tensor]:
+    """READ every buffer into fresh tensors on ``device`` (or into ``dests``, the caller's targets); raises
+    TimeoutError, ParkedLimit or RuntimeError. ``label`` names the object in what a parked READ is marked with.
 
     Each buffer keeps its own kind of memory: a VRAM source is read to ``device`` when it is a CUDA device (else
     into DRAM: the consumer has no GPU), a DRAM source into CPU memory.
     """
     ag = agent(ctx)
+    _check_room(ag)
     ag.ensure_remote(info.agent, info.agent_md, *info.extra_md)
     parked = False
     try:
-        return _read(ctx, ag, info, device, timeout, dests)
+        return _read(ctx, ag, info, device, timeout, dests, label)
     except _Parked:
         parked = True  # it stays counted as in flight until the progress thread reaps it
         raise
@@ -564,8 +589,23 @@ class _Parked(TimeoutError):
     """A READ timed out but may still be moving data: its memory was parked on the agent."""
 
 
+class ParkedLimit(RuntimeError):
+    """No READ was started: ``max_parked`` READs that timed out are still in flight."""
+
+
+def _check_room(ag: NixlAgent) -> None:
+    """Refuse to start a READ while ``max_parked`` timed-out READs are still in flight (each holds its memory)."""
+    with ag.lock:
+        if len(ag.parked) < ag.max_parked:
+            return
+        sources = sorted({p.agent for p in ag.parked})
+    raise ParkedLimit(f"{len(ag.parked)} NIXL READs of this process timed out and are still in flight (from "
+                      f"agents {', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''}); no new READ starts "
+                      "until one ends")
+
+
 def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device,
-          timeout: float, dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
+          timeout: float, dests: Sequence[Optional[torch.Tensor]] = (), label: str = "an object") -> List[torch.Tensor]:
     """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
     if not dests and len(info.descs) > 1 and set(info.mem_types) == {"DRAM"}:
@@ -596,7 +636,7 @@ def _read(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, device: torch.device
         raise
     plan = [([dst[i] for i in idx], [info.descs[i] for i in idx], local_type, remote_type)
             for (local_type, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types)))]
-    _transfer(ag, info, plan, regs, dst, timeout)
+    _transfer(ag, info, plan, regs, dst, timeout, [dst[i] for i in targets], label)
     return dst
 
 
@@ -619,9 +659,11 @@ def _read_block(ctx: "RdtContext", ag: NixlAgent, info: NixlInfo, timeout: float
 
 
 def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str]], regs: List[Any],
-              keep: List[torch.Tensor], timeout: float) -> None:
+              keep: List[torch.Tensor], timeout: float, targets: Sequence[torch.Tensor] = (),
+              label: str = "an object") -> None:
     """Post one READ per (local, remote) memory-type pair of ``plan`` and wait for all (``regs``: the local
-    registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out)."""
+    registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out;
+    ``targets``: the caller's tensors among it, marked busy while a parked READ may write them)."""
     handles: List[Any] = []
     try:
         with ag.lock:
@@ -636,10 +678,15 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
         delay = 1e-5
         while "PROC" in states:
             if time.monotonic() > deadline:
-                with ag.lock:  # may still complete later: keep its memory until it does
-                    ag.parked.append((handles, regs, keep, info.agent))
+                # It may still complete later: keep its memory (and handles: releasing one does not stop UCX, it
+                # only hides when the bytes land) until it does, and mark the caller's targets busy meanwhile.
+                hold = ag.busy.mark(targets, f"the NIXL READ of {label} from {info.agent}")
+                with ag.lock:
+                    ag.parked.append(_ParkedRead(handles, regs, keep, info.agent, hold))
                 handles, regs = [], []
-                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+                late = (f"; it is still in flight and may write into the {len(targets)} into= target(s) until it "
+                        "ends (a later rdt.get into them waits for it)") if hold is not None else ""
+                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s{late}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
             with ag.lock:

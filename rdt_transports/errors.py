@@ -134,6 +134,11 @@ class TransferTimeoutError(ObjectFetchError, TimeoutError):
     """Fetching an object did not finish within the transfer timeout."""
 
 
+class IntoBusyError(TransferTimeoutError):
+    """``rdt.get(..., into=...)``: an earlier fetch into the same bytes failed but may still write them (a NIXL READ
+    in flight), and did not end within the timeout; nothing was moved."""
+
+
 class IntoMismatchError(ObjectError, ValueError):
     """``rdt.get(..., into=...)`` does not fit the object (count, shape, dtype, contiguity); nothing was moved."""
 

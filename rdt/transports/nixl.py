@@ -43,7 +43,11 @@ class NixlTransport(Transport):
             info = _nixl_objects.decode_info(resp)
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
         try:
-            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline), site.into), "nixl")
+            return Fetched(_nixl_objects.fetch(ctx, info, device, _left(deadline), site.into, meta.describe()), "nixl")
+        except _nixl_objects.ParkedLimit as e:
+            raise ObjectFetchError(f"{meta.describe()} was not fetched: {e}", object_id=meta.id_hex,
+                                   hint="their producers are stuck or unreachable: kill them (their READs then fail "
+                                        "at once) or wait until they serve again") from e
         except TimeoutError as e:  # other errors (NIXL's own) are named by the consumer core, which probes alike
             state, why = probe(ctx, meta)
             if state == "dead":
