@@ -43,6 +43,7 @@ from .errors import (
     GroupNotFoundError,
     InvalidArgumentError,
     PeerUnavailableError,
+    SharedDeviceError,
     RdtError,
     TensorMismatchError,
     UnsupportedError,
@@ -64,5 +65,5 @@ __all__ = [
     "alltoall", "barrier",
     "RdtError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
-    "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",
+    "CollectiveTimeoutError", "PeerUnavailableError", "SharedDeviceError", "TensorMismatchError", "AuthenticationError",
 ]
