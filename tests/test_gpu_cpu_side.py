@@ -168,6 +168,20 @@ def test_explicit_cuda_ipc_checks_before_anything_moves(monkeypatch):
         _consumer.choose(meta, _site(same_node=False))
 
 
+def test_nixl_vram_object_reaches_a_consumer_without_cuda_through_host_memory(monkeypatch):
+    """A GPU run (2026-11-27, H100) saw NIXL's READ of a producer's VRAM fail in a consumer with
+    CUDA_VISIBLE_DEVICES="": such a consumer takes the fallback (host memory; tensors arrive on the CPU), for an
+    explicit "nixl" object and under "auto"; a consumer with CUDA still READs over NIXL."""
+    monkeypatch.setattr(_nixl_objects, "available", lambda: True)
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})
+    explicit = _meta(nixl=True, transport="nixl")
+    assert _consumer.choose(explicit, _site(cuda=None)) == "object_store"
+    assert _consumer.choose(explicit, _site(cuda=None, in_actor=False)) == "object_store"
+    assert _consumer.choose(_meta(nixl=True), _site(cuda=None)) == "object_store"
+    assert _consumer.choose(explicit, _site()) == "nixl"
+    assert _consumer.choose(_meta("cpu", nixl=True, transport="nixl"), _site(cuda=None)) == "nixl"  # DRAM: NIXL
+
+
 # ------------------------------------------------------------------------------------------------ metadata
 def test_cuda_ipc_metadata_encoding():
     info = _ipc_info(map_=True)
