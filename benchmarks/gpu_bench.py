@@ -1,6 +1,7 @@
 """The GPU benchmark that ``scripts/gpu-check`` runs on a machine with a GPU: every GPU path of rdt's object layer.
 
-Cases: cuda_ipc copy and map, NIXL VRAM->VRAM and VRAM->DRAM (a consumer without CUDA), ``auto``, ``rdt.get(...,
+Cases: cuda_ipc copy and map, NIXL VRAM->VRAM (also with UCX's own defaults for the actors' UCX_NET_DEVICES and
+UCX_TLS, with the protocols UCX chose), a NIXL object read by a consumer without CUDA, ``auto``, ``rdt.get(...,
 into=)`` on a GPU target (where this build has it), ``ray.get`` on the driver, and NCCL where two GPUs exist. Each
 is timed as ``ray.get(consumer.consume.remote(producer.make.remote()))`` on the driver (the objects suite's
 method), the producer returning the same kept tensor every time (weights returned every step), the median of
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -22,14 +24,15 @@ import torch
 
 import rdt
 
-from ._gpu_table import format_markdown  # noqa: F401 - re-exported
+from ._gpu_table import error_text, format_markdown  # noqa: F401 - re-exported
 
 PAGE_FLOATS = 1024
+UCX_DEFAULTS_CASE = "nixl VRAM->VRAM (UCX defaults)"
 
 
 @ray.remote
 class GpuBench:
-    """Producer and consumer of the benchmark (two of them share one GPU, num_gpus=0.5 each)."""
+    """Producer and consumer of the benchmark (up to four of them share one GPU, num_gpus=0.25 each)."""
 
     def __init__(self) -> None:
         self.t = torch.zeros(1)
@@ -73,6 +76,23 @@ class GpuBench:
         torch.cuda.synchronize()
         return [float(target[::PAGE_FLOATS].sum()), time.perf_counter() - start, self._last_path()]
 
+    def capture_stdio(self, path: str) -> None:
+        """Send this process's stdout and stderr to ``path`` (UCX prints its protocol choices there)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def ucx_protocols(self, path: str, limit: int = 3000) -> str:
+        """The protocol lines UCX printed with UCX_PROTO_INFO=y (the transports it chose per message size)."""
+        sys.stdout.flush()
+        try:
+            with open(path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if ln.startswith(("|", "+")) or "ucp_context" in ln]
+        except OSError as e:
+            return f"no capture: {e}"
+        return "\n".join(lines)[-limit:] or "UCX printed no protocol table"
+
     def _last_path(self) -> str:
         paths = rdt.stats()["paths"]
         grown = sorted(p for p, n in paths.items() if n > self._paths.get(p, 0))
@@ -96,8 +116,12 @@ def _time(fn: Callable[[], List[Any]], want: float, iters: int, warmup: int) -> 
 
 # The cases in the order they run: the riskiest last (a hang there costs only what comes after it).
 CASES = ["cuda_ipc copy", "cuda_ipc map", "auto", "ray.get on the driver", "nixl VRAM->VRAM", "rdt.get(into=) GPU",
-         "nixl VRAM->DRAM", "nccl"]
+         "nixl object, consumer without CUDA", UCX_DEFAULTS_CASE, "nccl"]
 CALL_TIMEOUT_S = 60
+# UCX's own defaults for the actors of UCX_DEFAULTS_CASE (every transport and device: the machine has no network
+# peer to reach anyway), and its protocol table printed to their captured stdio.
+UCX_DEFAULT_ENV = {"UCX_NET_DEVICES": "all", "UCX_TLS": "all", "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+UCX_CAPTURE = "/tmp/rdt-gpu-bench-ucx-{}.log"
 
 
 class _Actors:
@@ -107,15 +131,29 @@ class _Actors:
         self._made: Dict[str, Any] = {}
         self.group: Any = None
 
+    def names(self) -> List[str]:
+        """The actors made so far."""
+        return list(self._made)
+
     def get(self, name: str) -> Any:
         if name not in self._made:
-            opts = {"a": {"num_gpus": 0.5}, "b": {"num_gpus": 0.5},
+            ucx = {"num_gpus": 0.25, "runtime_env": {"env_vars": dict(UCX_DEFAULT_ENV)}}
+            opts = {"a": {"num_gpus": 0.25}, "b": {"num_gpus": 0.25},
                     "cpu": {"num_gpus": 0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}},
-                    "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
+                    "ua": ucx, "ub": ucx, "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
             self._made[name] = GpuBench.options(**opts).remote()
+            if name in ("ua", "ub"):
+                ray.get(self._made[name].capture_stdio.remote(UCX_CAPTURE.format(name)), timeout=CALL_TIMEOUT_S)
             if name == "p1":
                 self.group = rdt.create_collective_group([self.get("p0"), self._made["p1"]], backend="nccl")
         return self._made[name]
+
+    def drop(self, *names: str) -> None:
+        """Kill these actors (their GPU share is freed for the next case)."""
+        for name in names:
+            actor = self._made.pop(name, None)
+            if actor is not None:
+                ray.kill(actor)
 
     def close(self) -> None:
         if self.group is not None:
@@ -136,15 +174,20 @@ def _case(name: str, actors: _Actors, nbytes: int, n_gpus: int) -> Optional[Call
     if name == "nccl":
         if n_gpus < 2:
             return None
+        actors.drop("a", "b", "cpu", "ua", "ub")  # each rank needs a whole GPU
         prepared("p0", "p1")
         p0, p1 = actors.get("p0"), actors.get("p1")
         return lambda: get(p1.consume.remote(p0.nccl.remote()))
-    if name == "nixl VRAM->DRAM":
+    if name == "nixl object, consumer without CUDA":
         info = prepared("a", "cpu")
         if info[1]["cuda"]:
             raise RuntimeError("the CPU-only consumer still sees CUDA (CUDA_VISIBLE_DEVICES='' did not hide it)")
         a, cpu = actors.get("a"), actors.get("cpu")
         return lambda: get(cpu.consume.remote(a.nixl.remote()))
+    if name == UCX_DEFAULTS_CASE:
+        prepared("ua", "ub")
+        ua, ub = actors.get("ua"), actors.get("ub")
+        return lambda: get(ub.consume.remote(ua.nixl.remote()))
     if name == "rdt.get(into=) GPU" and not hasattr(rdt, "get"):
         return None
     prepared("a", "b")
@@ -182,7 +225,9 @@ def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
                             want = float(len(range(0, nbytes // 4, PAGE_FLOATS)))
                             row.update(_time(fn, want, iters, warmup))
                     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
-                        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                        row["error"] = error_text(e)
+                    if name == UCX_DEFAULTS_CASE and "ub" in actors.names():
+                        row["ucx"] = _protocols(actors)
                     row["case_s"] = round(time.monotonic() - started, 2)
                 if "median_s" in row:
                     row["GB/s"] = round(nbytes / row["median_s"] / 1e9, 2)
@@ -192,6 +237,15 @@ def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
     finally:
         actors.close()
     return rows
+
+
+def _protocols(actors: _Actors) -> str:
+    """What UCX chose for the READs of UCX_DEFAULTS_CASE, as its consumer and producer printed it; never raises."""
+    try:
+        return "\n".join(f"[{n}]\n" + ray.get(actors.get(n).ucx_protocols.remote(UCX_CAPTURE.format(n)),
+                                                 timeout=CALL_TIMEOUT_S) for n in ("ub", "ua"))
+    except Exception as e:  # noqa: BLE001 - a missing table must not fail the row
+        return f"could not read UCX's protocol table: {error_text(e)}"
 
 
 def _write(out: Optional[str], rows: List[Dict[str, Any]]) -> None:

@@ -47,6 +47,7 @@ from .errors import (
     GroupNotFoundError,
     InvalidArgumentError,
     PeerUnavailableError,
+    SharedDeviceError,
     RdtError,
     TensorMismatchError,
     UnsupportedError,
@@ -68,5 +69,5 @@ __all__ = [
     "alltoall", "barrier",
     "RdtError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
-    "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",
+    "CollectiveTimeoutError", "PeerUnavailableError", "SharedDeviceError", "TensorMismatchError", "AuthenticationError",
 ]

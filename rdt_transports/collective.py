@@ -9,11 +9,12 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._context import ABORT_KEY, get_context
 from ._rendezvous import Rendezvous
-from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError
+from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError, SharedDeviceError
 from .group import CollectiveGroup
 from .types import ReduceOp, Timeout, to_seconds
 
@@ -46,13 +47,25 @@ def _preflight(backend: str, group_name: str, rank: Optional[int] = None) -> Non
         raise type(e)(e.message, group=group_name, rank=rank, op="init_collective_group", hint=e.hint) from None
 
 
-def _preflight_on_actor(_self: Any, backend: str, group_name: str) -> Optional[Tuple[str, str, Optional[str]]]:
-    """Runs in each member before any rendezvous: None, or (error class name, message, hint)."""
+def _preflight_on_actor(_self: Any, backend: str, group_name: str) -> Dict[str, Any]:
+    """Runs in each member before any rendezvous: {"error": None or (class name, message, hint), "device": the
+    device this member would run the backend on (backends that own one device per rank, e.g. nccl), or None}."""
     try:
         _preflight(backend, group_name)
     except RdtError as e:
-        return type(e).__name__, e.message, e.hint
-    return None
+        return {"error": (type(e).__name__, e.message, e.hint), "device": None}
+    return {"error": None, "device": _device_identity(backend)}
+
+
+def _device_identity(backend: str) -> Optional[str]:
+    """This process's device for ``backend`` ("node N GPU UUID"), when the backend needs one device per rank."""
+    from .backends import backend_class
+
+    identify = getattr(backend_class(backend), "device_identity", None)
+    try:
+        return identify() if identify is not None else None
+    except Exception:  # noqa: BLE001 - no identity: the check is skipped, never the group
+        return None
 
 
 def destroy_collective_group(group: "str | GroupHandle" = "default", *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
@@ -180,6 +193,7 @@ def create_collective_group(
                                    hint="pass a list, e.g. create_collective_group([a, b])")
     actors = list(actors)
     seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+    deadline = time.monotonic() + seconds  # one deadline for the preflight and the join: never waits past it
     try:  # unknown backend / missing package: fail before touching any actor
         backend_cls = backend_class(backend)
     except RdtError as e:
@@ -211,29 +225,33 @@ def create_collective_group(
     if getattr(backend_cls, "check_available", None) is not None:
         # Backends with runtime requirements (nccl: cupy, libnccl, a visible GPU) are checked in every member
         # before anything is published, so a CPU-only actor fails fast with the fix instead of a rendezvous hang.
-        _check_members(actors, ranks, backend, group_name, seconds)
+        _check_members(actors, ranks, backend, group_name, seconds, deadline)
     uid = uuid.uuid4().hex
     secret = secrets.token_bytes(32)
     members = [""] * world_size
     for a, r in zip(actors, ranks):
         members[r] = a._actor_id.hex()
+    left = max(deadline - time.monotonic(), 0.0)
+    # The members' own join timeout ends a little before the driver's, so their typed errors arrive in time.
+    member_s = max(left - min(2.0, left * 0.2), 0.05)
     refs = [
-        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, seconds, uid, secret, members)
+        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, member_s, uid, secret, members)
         for a, r in zip(actors, ranks)
     ]
     handle = GroupHandle(group_name, uid, backend, actors, ranks, seconds)
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
     errors: List[str] = []
     for a, r, ref in zip(actors, ranks, refs):
         if ref in pending:
-            errors.append(f"rank {r}: did not join within {seconds:.0f}s (actor busy or stuck?)")
+            errors.append(f"rank {r} (actor {a._actor_id.hex()}): did not join within {seconds:.0f}s "
+                          "(actor busy, stuck, or not scheduled for lack of resources?)")
             continue
         try:
-            ray.get(ref)
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
         except Exception as e:  # noqa: BLE001 - collect every member's failure
             errors.append(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
     if errors:
-        handle.destroy(timeout=5)
+        handle.destroy(timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))  # never long past the deadline
         raise GroupError(
             "could not create the group: " + "; ".join(errors), group=group_name, op="create_collective_group",
             hint="fix the failures above (a group name already used by an actor must be destroyed first)",
@@ -241,27 +259,48 @@ def create_collective_group(
     return handle
 
 
-def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float) -> None:
+def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float,
+                   deadline: float) -> None:
+    """Every member can run ``backend`` and, for backends with one device per rank, no two share a device; a typed
+    error naming the members otherwise, before anything is published (waits until ``deadline`` at most)."""
     import ray
 
     refs = [a.__ray_call__.remote(_preflight_on_actor, backend, group_name) for a in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
+    silent = [f"rank {r} (actor {a._actor_id.hex()})" for a, r, ref in zip(actors, ranks, refs) if ref not in ready]
+    if silent:
+        raise GroupError(
+            f"could not create the group: {', '.join(silent)} did not answer within {seconds:.0f}s",
+            group=group_name, op="create_collective_group",
+            hint="the actor is busy in a long method, stuck, or not scheduled (its resources, e.g. num_gpus, are "
+            "taken): free them or raise the timeout",
+        )
     problems: List[str] = []
     hint: Optional[str] = None
-    for r, ref in zip(ranks, refs):
-        if ref not in ready:
-            continue  # a busy member is reported by the join below
+    devices: Dict[str, List[str]] = {}
+    for a, r, ref in zip(actors, ranks, refs):
         try:
-            res = ray.get(ref)
+            res = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
         except Exception:  # noqa: BLE001 - a dead member is reported by the join below
             continue
-        if res is not None:
-            problems.append(f"rank {r}: {res[1]}")
-            hint = hint or res[2]
+        if res["error"] is not None:
+            problems.append(f"rank {r}: {res['error'][1]}")
+            hint = hint or res["error"][2]
+        elif res["device"] is not None:
+            devices.setdefault(res["device"], []).append(f"rank {r} (actor {a._actor_id.hex()})")
     if problems:
         raise BackendUnavailableError(
             f"backend {backend!r} cannot run on every member: " + "; ".join(problems), group=group_name,
             op="create_collective_group", hint=hint,
+        )
+    shared = {dev: who for dev, who in devices.items() if len(who) > 1}
+    if shared:
+        raise SharedDeviceError(
+            f"backend {backend!r} needs one GPU per rank, but " + "; ".join(
+                f"{' and '.join(who)} share {dev}" for dev, who in shared.items()),
+            group=group_name, op="create_collective_group",
+            hint="give each rank its own GPU (@ray.remote(num_gpus=1)); for transfers between actors on one GPU "
+            "use tensor_transport='cuda_ipc' or 'nixl' instead of an NCCL group",
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any, Dict, List
 
@@ -51,14 +52,31 @@ def pytest_runtest_logreport(report: Any) -> None:
     _phases.setdefault(report.nodeid, []).append(report)
 
 
+# pytest-timeout's own failure line; an error type with "Timeout" in its name (CollectiveTimeoutError) is no timeout
+_TIMEOUT = re.compile(r"Failed: Timeout \(>[0-9.]+s\) from pytest-timeout")
+
+
+def outcome_of(report: Any) -> str:
+    """A failed report's outcome: "timeout" only when pytest-timeout ended the test, else failed (call) or error."""
+    if _TIMEOUT.search(_text(report, 1_000_000)):
+        return "timeout"
+    return "failed" if report.when == "call" else "error"
+
+
+def _crash(report: Any) -> str:
+    """The failure's own line (e.g. ``AssertionError: the 1 s timeout took 4.0 s``), first in the message."""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    return str(getattr(crash, "message", "") or "").strip()
+
+
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
     reports = _phases.pop(nodeid, [])
     outcome, message = "passed", ""
     for r in reports:
         if r.failed:
-            timed_out = "Timeout" in _text(r, 100000)
-            kind = "timeout" if timed_out else ("failed" if r.when == "call" else "error")
-            outcome, message = kind, f"{r.when}: {_text(r)}"
+            crash = _crash(r)
+            outcome = outcome_of(r)
+            message = f"{r.when}: " + (f"{crash[:600]} -- " if crash else "") + _text(r)
             break
         if r.skipped and not hasattr(r, "wasxfail"):
             outcome, message = "skipped", _text(r)

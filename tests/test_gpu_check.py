@@ -45,7 +45,7 @@ def test_dry_run_lists_the_collected_gpu_tests_and_the_wheels():
     assert not any("[False]" in t or "test_gpu_cpu_side" in t for t in listed)  # CPU tests are not GPU tests
     assert f"would run {len(listed)} GPU test(s)" in out
     assert "ray==2.60.0" in out and "nixl-cu13" in out
-    assert "nixl VRAM->DRAM" in out and "cuda_ipc map" in out
+    assert "nixl object, consumer without CUDA" in out and "cuda_ipc map" in out
 
 
 def test_wheels_split_into_parts_join_back_and_a_lost_part_is_caught(tmp_path):
@@ -110,7 +110,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out")
 args, _ = p.parse_known_args()
 rows = [{"case": "cuda_ipc copy", "bytes": 1 << 20, "median_s": 0.001, "GB/s": 1.05, "path": "cuda_ipc"},
-        {"case": "nixl VRAM->DRAM", "bytes": 1 << 20, "error": "TimeoutError: no read in 60 s"}]
+        {"case": "nixl object, consumer without CUDA", "bytes": 1 << 20, "error": "TimeoutError: no read in 60 s"}]
 json.dump({"rows": rows, "gpu": "fake"}, open(args.out, "w"))
 print("fake bench wrote", len(rows), "rows")
 sys.exit(1)
@@ -190,3 +190,39 @@ def torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_a_timeout_error_in_a_failure_is_not_a_pytest_timeout():
+    """The first H100 run marked a failed assertion about CollectiveTimeoutError as "timeout": only pytest-timeout's
+    own line makes a timeout, and the failure's own line leads the message."""
+    from types import SimpleNamespace
+
+    from tests import _gpu_check_plugin as plugin
+
+    def report(text: str, crash: str) -> SimpleNamespace:
+        longrepr = SimpleNamespace(reprcrash=SimpleNamespace(message=crash))
+        return SimpleNamespace(when="call", failed=True, skipped=False, longrepr=longrepr, longreprtext=text)
+
+    failed = report("err = {'type': 'CollectiveTimeoutError'}\nE   AssertionError: the 1 s timeout took 4.0 s",
+                    "AssertionError: the 1 s timeout took 4.0 s")
+    assert plugin.outcome_of(failed) == "failed"
+    hung = report(">   ???\nE   Failed: Timeout (>60.0s) from pytest-timeout.\n...\nE   SystemError: wait", "SystemError")
+    assert plugin.outcome_of(hung) == "timeout"
+    assert plugin.outcome_of(SimpleNamespace(**{**vars(failed), "when": "setup"})) == "error"
+    assert plugin._crash(failed) == "AssertionError: the 1 s timeout took 4.0 s"
+
+
+def test_benchmark_errors_keep_their_type_and_final_message():
+    """The first run's NIXL row kept 500 characters of a RayTaskError's traceback and lost the message at its end."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._gpu_table import error_text, format_markdown
+
+    class RayTaskError(Exception):
+        pass
+
+    body = "\x1b[36mray::GpuBench.consume()\x1b[39m\n" + "  File \"x.py\", line 1, in f\n" * 200
+    text = error_text(RayTaskError(body + "rdt.errors.ObjectFetchError: NIXL READ failed: remote VRAM unreachable"))
+    assert text.startswith("RayTaskError: ray::GpuBench.consume()") and "\x1b" not in text
+    assert text.endswith("NIXL READ failed: remote VRAM unreachable") and len(text) <= 2000
+    table = format_markdown([{"case": "x", "bytes": 1 << 20, "error": text}])
+    assert "remote VRAM unreachable" in table and "RayTaskError" in table

@@ -22,7 +22,7 @@ import rdt
 
 from .conftest import HAS_NIXL, wait_for
 
-pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'rdt[nixl]'"),
+pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"),
               pytest.mark.timeout(120)]
 
 TCP_ONLY = {"env_vars": {"UCX_TLS": "tcp"}}  # merged with the cluster's env vars (loopback device etc.)

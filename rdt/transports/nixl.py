@@ -33,6 +33,11 @@ class NixlTransport(Transport):
                 hint="pip install 'ray-direct-transport[nixl]'"))
         if not meta.producer.nixl:
             return Unusable("NIXL is not installed in the producer")
+        if site.cuda_device is None and "cuda" in meta.buffers.device_types:
+            # A READ of the producer's VRAM needs UCX's CUDA transports in this process too (a GPU run of
+            # 2026-11-27 saw it fail for a consumer with CUDA_VISIBLE_DEVICES=""): the fallback streams the
+            # buffers through host memory instead, and they arrive on the CPU, as with ray.get.
+            return Unusable("this process has no CUDA device to READ the producer's GPU memory with")
         return None
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
