@@ -44,7 +44,7 @@ def test_dry_run_lists_the_collected_gpu_tests_and_the_wheels():
     assert "tests/unit/test_nixl_mem_types.py::test_read_of_an_object_keeps_each_buffer_on_its_device[True]" in listed
     assert not any("[False]" in t or "test_gpu_cpu_side" in t for t in listed)  # CPU tests are not GPU tests
     assert f"would run {len(listed)} GPU test(s)" in out
-    assert "ray==2.60.0" in out and "nixl-cu13" in out
+    assert ("ray==2.60.0" in out or "ray-2.60.0-" in out) and ("nixl-cu13" in out or "nixl_cu13-" in out)  # fetched or not
     assert "nixl object, consumer without CUDA" in out and "cuda_ipc map" in out
 
 
