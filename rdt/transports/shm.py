@@ -116,15 +116,15 @@ def _map(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tenso
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """Producer: write the object into a segment (once) and tell the consumer where it is."""
-    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
-    if entry is None:
-        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-    wait_ready(entry)
-    with entry.lock:
+    with ctx.table.exporting(payload[:16]) as entry:
+        if entry is None or len(payload) < 16:
+            return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        wait_ready(entry)
         seg = entry.exports.get("shm")
         if seg is None:
             seg = entry.exports["shm"] = ctx.shm_pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
-    ctx.stats.add("shm", "out", entry.nbytes)
+        nbytes = entry.nbytes
+    ctx.stats.add("shm", "out", nbytes)
     body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
     return _control.RESP_OK, seg.name.encode() + b"\0" + body
 
