@@ -28,6 +28,7 @@ from rdt_transports.backends.ucx import UcxBackend  # noqa: E402
 from rdt_transports.errors import (  # noqa: E402
     CollectiveTimeoutError,
     GroupDestroyedError,
+    PeerUnavailableError,
     TensorMismatchError,
 )
 
@@ -505,3 +506,30 @@ def test_shutdown_frees_the_ucx_workers_at_once() -> None:
         assert workers() == before
     finally:
         gc.enable()
+
+
+def test_the_pid_watch_fails_a_peer_whose_pid_names_another_process() -> None:
+    """A same-node pair watches the peer's process by (pid, start time) from its authenticated handshake: given
+    the pid of a live process that is not the one that said hello (another start time), the pair fails at once."""
+    import subprocess
+    import sys
+
+    from rdt_transports._proc import identity
+
+    b0, b1 = _make_pair()
+    other = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        _exchange(b0, b1, torch.ones(4), torch.zeros(4), _tag())  # the pair is connected
+        state = b0._peer(1)
+        pid, started = identity(other.pid)
+        assert started is not None
+        b0._loop.call_soon_threadsafe(b0._watch, 1, state, state.ep, (pid, started + 1))
+        with pytest.raises(PeerUnavailableError, match="exited"):
+            b0.irecv(torch.zeros(4), 1, _tag()).wait(5.0)
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+        b0.shutdown()
+        b1.shutdown()
