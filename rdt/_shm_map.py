@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from rdt_transports._memcopy import copy_parts
-from rdt_transports._proc import pid_alive
+from rdt_transports._proc import process_alive, start_time
 
 Part = Tuple[int, int, int]  # (destination address, source address, bytes)
 
@@ -137,21 +137,24 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Mapping:
-    __slots__ = ("addr", "size", "pid", "users", "last")
+    __slots__ = ("addr", "size", "pid", "started", "users", "last")
 
-    def __init__(self, addr: int, size: int, pid: int) -> None:
-        self.addr, self.size, self.pid = addr, size, pid
+    def __init__(self, addr: int, size: int, pid: int, started: Optional[int]) -> None:
+        self.addr, self.size, self.pid, self.started = addr, size, pid, started
         self.users = 0
         self.last = time.monotonic()
 
 
-def _map_file(pid: int, f: SharedFile) -> _Mapping:
+def _map_file(pid: int, started: Optional[int], f: SharedFile) -> _Mapping:
+    """Map the producer's file ``f`` read-only through its descriptor in process ``(pid, started)``."""
     path = f"/proc/{pid}/fd/{f.fd}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise MapError(e.errno, f"opening {path}: {e.strerror}") from e
     try:
+        if not process_alive(pid, started):  # checked after the open: the descriptor was that process's
+            raise MapError(0, f"the producer (pid {pid}) is gone; its pid may name another process now")
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size) != (f.dev, f.ino, f.size):
             raise MapError(0, f"{path} is no longer the storage the object named (the producer freed it)")
@@ -159,13 +162,14 @@ def _map_file(pid: int, f: SharedFile) -> _Mapping:
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise MapError(err, f"mmap of {path}: {os.strerror(err)}")
-        return _Mapping(addr, f.size, pid)
+        return _Mapping(addr, f.size, pid, started)
     finally:
         os.close(fd)
 
 
 class MapReader:
-    """A consumer's mappings of producers' shared files: (pid, device, inode) -> mapping, reused across reads."""
+    """A consumer's mappings of producers' shared files: (pid, start time, device, inode) -> mapping, reused
+    across reads."""
 
     def __init__(self, spread: Callable[[Sequence[Part], Callable[[Sequence[Part]], None]], None], ttl: float,
                  max_maps: int = 4096) -> None:
@@ -173,7 +177,7 @@ class MapReader:
         self._spread = spread
         self.ttl = ttl
         self.max_maps = max_maps
-        self._maps: "OrderedDict[Tuple[int, int, int], _Mapping]" = OrderedDict()
+        self._maps: "OrderedDict[Tuple[int, Optional[int], int, int], _Mapping]" = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -184,10 +188,12 @@ class MapReader:
         with self._lock:
             return sum(m.size for m in self._maps.values())
 
-    def read(self, pid: int, info: MapInfo, dests: Sequence[int], sizes: Sequence[int]) -> None:
-        """Copy buffer ``i`` (``sizes[i]`` bytes) of the object ``info`` describes in process ``pid`` to
-        ``dests[i]``. Raises :class:`MapError`; the caller then checks the object's guard on success."""
-        maps = self._acquire(pid, info.files)
+    def read(self, pid: int, info: MapInfo, dests: Sequence[int], sizes: Sequence[int],
+             started: Optional[int] = None) -> None:
+        """Copy buffer ``i`` (``sizes[i]`` bytes) of the object ``info`` describes in process ``(pid, started)``
+        (``started`` None: the process at ``pid`` now) to ``dests[i]``. Raises :class:`MapError`; the caller then
+        checks the object's guard on success."""
+        maps = self._acquire(pid, start_time(pid) if started is None else started, info.files)
         try:
             parts: List[Part] = []
             for d, (f, off), n in zip(dests, info.parts, sizes):
@@ -201,19 +207,19 @@ class MapReader:
         finally:
             self._release(maps)
 
-    def _acquire(self, pid: int, files: Sequence[SharedFile]) -> List[_Mapping]:
+    def _acquire(self, pid: int, started: Optional[int], files: Sequence[SharedFile]) -> List[_Mapping]:
         got: List[_Mapping] = []
         added = False
         try:
             for f in files:
-                key = (pid, f.dev, f.ino)
+                key = (pid, started, f.dev, f.ino)
                 with self._lock:
                     m = self._maps.get(key)
                     if m is not None:
                         m.users += 1
                         self._maps.move_to_end(key)
                 if m is None:
-                    m = _map_file(pid, f)  # outside the lock: opening and mapping may take a while
+                    m = _map_file(pid, started, f)  # outside the lock: opening and mapping may take a while
                     m.users = 1
                     with self._lock:
                         old = self._maps.get(key)
@@ -246,7 +252,7 @@ class MapReader:
         drop: List[_Mapping] = []
         with self._lock:
             excess = len(self._maps) - self.max_maps
-            alive: Dict[int, bool] = {}
+            alive: Dict[Tuple[int, Optional[int]], bool] = {}
             for key, m in list(self._maps.items()):
                 if m.users:
                     continue
@@ -254,9 +260,10 @@ class MapReader:
                 if excess > 0:
                     stale, excess = True, excess - 1
                 elif not over_cap_only:
-                    if m.pid not in alive:
-                        alive[m.pid] = pid_alive(m.pid)
-                    stale = now - m.last >= self.ttl or not alive[m.pid]
+                    who = (m.pid, m.started)
+                    if who not in alive:
+                        alive[who] = process_alive(*who)
+                    stale = now - m.last >= self.ttl or not alive[who]
                 if stale:
                     drop.append(self._maps.pop(key))
         for m in drop:

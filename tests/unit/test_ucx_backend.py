@@ -369,7 +369,7 @@ def _outsider_at_worker(addr: bytes, server_rank: int, uid: bytes, tag: int) -> 
         ep = await ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(addr),
                                                            endpoint_error_handling=False)
         hello_tag = ucx_mod._tag64(b"hello", uid, ucx_mod._RANK.pack(server_rank))
-        bad = ucx_mod._HELLO.pack(0, os.getpid(), os.urandom(32), b"\0" * 32)
+        bad = ucx_mod._HELLO.pack(0, os.getpid(), 0, os.urandom(32), b"\0" * 32)
         await asyncio.wait_for(ep.send(bytearray(bad), tag=hello_tag, force_tag=True), 5)
         await asyncio.wait_for(ep.send(bytearray(bad + b"x" * 64), tag=hello_tag, force_tag=True), 5)
         header = ucx_mod._CTL.pack(ucx_mod._HDR, ucx_mod._dtype_code(torch.float32), 0, tag, 16, 0)
