@@ -136,7 +136,7 @@ class RdtContext:
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
         self.cma = _cma.CmaReader()
-        self.shm_maps = _shm_map.MapReader(self.cma.spread, self.config.pool_ttl)
+        self.shm_maps = _shm_map.MapReader(self.cma.spread, self.config.pool_ttl, max_bytes=self.config.shm_map_bytes)
         self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")

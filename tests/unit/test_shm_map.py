@@ -110,7 +110,7 @@ def test_a_reused_descriptor_is_refused_not_read():
     assert len(reader) == 1  # the valid file was mapped; the two refused ones were not kept
 
 
-def test_mappings_stay_flat_and_a_freed_storage_is_released_after_the_ttl():
+def test_mappings_stay_flat_an_unused_one_goes_after_the_ttl_and_a_freed_one_at_once():
     reader = _reader(ttl=5.0)
     t = torch.ones(1 << 16).share_memory_()
     info = _describe([t])
@@ -119,11 +119,14 @@ def test_mappings_stay_flat_and_a_freed_storage_is_released_after_the_ttl():
         _read(reader, info, [t])
     assert len(reader) == 1 and reader.mapped_bytes() == t.nbytes
     ino = info.files[0].ino
-    del t  # the producer frees its storage; the consumer's mapping alone keeps the file until the ttl
+    assert reader.trim() == 0  # used just now, and the producer holds the file
+    assert reader.trim(now=time.monotonic() + 5.0) == 1  # unused for the ttl
+    assert len(reader) == 0 and reader.mapped_bytes() == 0
+    _read(reader, info, [t])
+    del t  # the producer frees its storage: the next trim (the reaper's pass) unmaps it, without waiting
     assert ino in _mapped_inodes()
-    assert reader.trim() == 0
-    assert reader.trim(now=time.monotonic() + 5.0) == 1
-    assert ino not in _mapped_inodes() and len(reader) == 0
+    assert reader.trim() == 1
+    assert ino not in _mapped_inodes() and len(reader) == 0 and reader.mapped_bytes() == 0
 
 
 def test_the_cap_unmaps_the_least_recently_used():
