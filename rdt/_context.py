@@ -22,6 +22,7 @@ import ray
 
 from rdt_transports import _lifecycle
 from rdt_transports._context import get_context as get_transport_context
+from rdt_transports._proc import identity
 
 from . import _cma, _consumer, _control, _producer, _ready, _shm, _shm_map, transports
 from ._alloc import BufferPool
@@ -138,7 +139,7 @@ class RdtContext:
         self.shm_pool = SegmentPool(self.config.pool_bytes, self.config.pool_ttl)
         self.buffers = BufferPool(self.config.pool_bytes, self.config.pool_ttl)
         self.cma = _cma.CmaReader()
-        self.shm_maps = _shm_map.MapReader(self.cma.spread, self.config.pool_ttl)
+        self.shm_maps = _shm_map.MapReader(self.cma.spread, self.config.pool_ttl, max_bytes=self.config.shm_map_bytes)
         self._cma_ok: Optional[bool] = None
         self.unmapper = _shm.DeferredUnmapper()
         self.waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rdt-fetch-wait")
@@ -192,8 +193,9 @@ class RdtContext:
         self._server = _control.ControlServer(host, self._key_for, self.control_handlers())
         from . import _nixl_objects
 
-        return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
-                            self.process_key, actor, actor_id, _nixl_objects.available())
+        pid, started = identity()
+        return ProducerInfo(self.instance, pid, ctx.get_node_id(), self._server.address, self.process_key, actor,
+                            actor_id, _nixl_objects.available(), started)
 
     def _publish(self) -> None:
         """In an actor: start the control server and publish its address and stats key in the GCS (namespace

@@ -25,6 +25,7 @@ class ProducerInfo:
     actor: Any  # the producer's ActorHandle (object-store fallback), or None
     actor_id: str
     nixl: bool  # NIXL usable in the producer
+    started: Optional[int] = None  # the producer's start time: with the pid, names the process for good (_proc)
 
 
 @dataclass(frozen=True)

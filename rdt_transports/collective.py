@@ -7,14 +7,17 @@ Switching from ``ray.util.collective`` is a change of import. Differences: every
 from __future__ import annotations
 
 import secrets
-import uuid
-from dataclasses import dataclass, field
+import threading
 import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._context import ABORT_KEY, get_context
 from ._rendezvous import Rendezvous
-from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError, SharedDeviceError
+from .errors import (BackendUnavailableError, GroupError, GroupNotFoundError, InvalidArgumentError, RdtError,
+                     SharedDeviceError)
 from .group import CollectiveGroup
 from .types import ReduceOp, Timeout, to_seconds
 
@@ -69,11 +72,25 @@ def _device_identity(backend: str) -> Optional[str]:
 
 
 def destroy_collective_group(group: "str | GroupHandle" = "default", *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
-    """Leave a group: by name inside a member, or by the handle create_collective_group returned (driver)."""
+    """Destroy a group: by name, this process's membership and the groups this process created under that name
+    with create_collective_group (on their members); or by the handle create_collective_group returned."""
     if isinstance(group, GroupHandle):
         group.destroy(timeout=timeout)
         return
-    get_context().destroy(group)
+    member = get_context().find(group) is not None
+    created = _created.take(group)
+    if not member and not created:
+        raise GroupNotFoundError(
+            f"no collective group named {group!r} in this process, and none created here under that name",
+            group=group, op="destroy_collective_group",
+            hint="destroy it where it lives: by name inside a member (init_collective_group), or in the process "
+            "that called create_collective_group (by name, or with the handle it returned)")
+    if member:
+        get_context().destroy(group)
+    for made in created:
+        handle = made.live()
+        if handle is not None:  # else no handle to any member is left here (see _CreatedGroups)
+            handle.destroy(timeout=timeout)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:
@@ -143,6 +160,7 @@ class GroupHandle:
         if self.destroyed:
             return
         self.destroyed = True
+        _created.forget(self)
         self.abort("the group was destroyed from the driver")
         refs = [a.__ray_call__.remote(_destroy_on_actor, self.name, self.uid) for a in self.actors]
         seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
@@ -158,6 +176,80 @@ class GroupHandle:
             Rendezvous(self.uid, self.name).clear()
         except RdtError:
             pass
+
+
+@dataclass
+class _Created:
+    """A group this process created, remembered without holding any actor (see :class:`_CreatedGroups`)."""
+
+    handle: "weakref.ref[GroupHandle]"
+    name: str
+    uid: str
+    backend: str
+    timeout: float
+    members: List[Tuple["weakref.ref[Any]", int]]  # (a weak reference to an actor's handle, its rank)
+
+    @classmethod
+    def of(cls, handle: GroupHandle) -> "_Created":
+        return cls(weakref.ref(handle), handle.name, handle.uid, handle.backend, handle.timeout,
+                   [(weakref.ref(a), r) for a, r in zip(handle.actors, handle.ranks)])
+
+    def gone(self) -> bool:
+        """Neither the caller's handle nor any member's handle is left in this process."""
+        return self.handle() is None and all(ref() is None for ref, _ in self.members)
+
+    def live(self) -> Optional[GroupHandle]:
+        """The caller's handle if it still exists, else one over the members whose handles do; None if none."""
+        handle = self.handle()
+        if handle is not None:
+            return handle
+        alive = [(a, r) for a, r in ((ref(), r) for ref, r in self.members) if a is not None]
+        if not alive:
+            return None
+        return GroupHandle(self.name, self.uid, self.backend, [a for a, _ in alive], [r for _, r in alive],
+                           self.timeout)
+
+
+class _CreatedGroups:
+    """The groups this process created, by name, so that ``destroy_collective_group(name)`` reaches them.
+
+    Only weak references: an actor lives while the caller keeps a handle to it, never because of this table. A
+    group whose handle was dropped is destroyed on the members whose handles the caller still holds (a plain
+    actor exits with its last handle, its groups with it; a named or detached one outlives them, so keep the
+    group's handle for those). Groups nothing is left of are forgotten at the next create.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: Dict[str, List[_Created]] = {}
+
+    def add(self, handle: GroupHandle) -> None:
+        """Remember a group just created; forget those nothing is left of."""
+        with self._lock:
+            for name in list(self._groups):
+                kept = [c for c in self._groups[name] if not c.gone()]
+                if kept:
+                    self._groups[name] = kept
+                else:
+                    del self._groups[name]
+            self._groups.setdefault(handle.name, []).append(_Created.of(handle))
+
+    def forget(self, handle: GroupHandle) -> None:
+        """The group was destroyed (through its handle)."""
+        with self._lock:
+            kept = [c for c in self._groups.get(handle.name, []) if c.uid != handle.uid]
+            if kept:
+                self._groups[handle.name] = kept
+            else:
+                self._groups.pop(handle.name, None)
+
+    def take(self, name: str) -> List[_Created]:
+        """Every group created here under ``name`` and not destroyed through its handle (forgotten here now)."""
+        with self._lock:
+            return self._groups.pop(name, [])
+
+
+_created = _CreatedGroups()
 
 
 def _init_on_actor(_self: Any, world_size: int, rank: int, backend: str, name: str, timeout: float, uid: str,
@@ -256,6 +348,7 @@ def create_collective_group(
             "could not create the group: " + "; ".join(errors), group=group_name, op="create_collective_group",
             hint="fix the failures above (a group name already used by an actor must be destroyed first)",
         )
+    _created.add(handle)
     return handle
 
 

@@ -73,12 +73,12 @@ class NixlTransport(Transport):
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """Producer: register the object (once) and describe it for the asking consumer."""
-    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
-    if entry is None:
-        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-    with entry.lock:
+    with ctx.table.exporting(payload[:16]) as entry:
+        if entry is None or len(payload) < 16:
+            return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
         info = _nixl_objects.register(ctx, entry)
-    ctx.stats.add("nixl", "out", entry.nbytes)
+        nbytes = entry.nbytes
+    ctx.stats.add("nixl", "out", nbytes)
     return _control.RESP_OK, _nixl_objects.encode_info(info)
 
 
