@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import ray
+
+from ._progress import emit
 
 # Environment the benchmark sets before Ray starts (and hands to every worker through the job's runtime_env).
 BENCH_ENV: Dict[str, str] = {
@@ -27,8 +28,8 @@ READY_TIMEOUT_S = 120.0
 
 
 def log(msg: str) -> None:
-    """One progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
+    """One log line on stderr (above the progress bar when there is one)."""
+    emit(msg)
 
 
 def start_ray(address: Optional[str], num_cpus: int, object_store_bytes: int) -> Dict[str, Any]:

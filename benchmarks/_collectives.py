@@ -13,10 +13,17 @@ import torch
 
 from ._cluster import ActorPool, log
 from ._mechanism import rdt_collective_mechanism
+from ._progress import Progress
 from ._units import fmt_size
 
 ALGORITHMS: Tuple[str, ...] = ("ring", "bde", "tree")
 ROOT_CHECK_TOL = 1e-3
+# Rough costs for rdt-bench's estimate of the time left, fitted to a default run on the 2-core CI machine (the
+# run's own pace rescales them): per case set up, per operation (times ranks squared: they share two cores), and
+# per byte a rank moves.
+EST_SETUP_S = 2.0
+EST_CALL_S = 0.0005
+EST_BYTES_PER_S = 2e9
 
 
 # ---------------------------------------------------------------------- configuration and context
@@ -62,6 +69,7 @@ class BenchContext:
     config: BenchConfig
     pool: ActorPool
     unavailable: Dict[Tuple[str, int], str] = field(default_factory=dict)
+    progress: Progress = field(default_factory=lambda: Progress(()))  # the run's report; silent without a plan
 
     def group_name(self, impl: str) -> str:
         """A fresh group name for one case."""
@@ -257,6 +265,22 @@ def rdt_impls(backends: Sequence[str], op: str) -> List[Impl]:
     return out
 
 
+# ---------------------------------------------------------------------- progress estimates
+def estimate_s(calls: int, nbytes: int, ranks: int) -> float:
+    """A rough cost of ``calls`` operations on ``nbytes`` among ``ranks`` ranks, for the time-left estimate."""
+    return calls * (EST_CALL_S * ranks * ranks + nbytes * ranks / EST_BYTES_PER_S)
+
+
+def case_plan(config: BenchConfig, suite: str, impl: str, world_size: int) -> List[Tuple[Any, float]]:
+    """The progress keys and estimated costs of one :func:`run_case`: one per size."""
+    out: List[Tuple[Any, float]] = []
+    for i, nbytes in enumerate(config.sizes):
+        warmup, iters = config.iterations(nbytes)
+        out.append(((suite, impl, world_size, nbytes),
+                    (EST_SETUP_S if i == 0 else 0.0) + estimate_s(warmup + iters, nbytes, world_size)))
+    return out
+
+
 # ---------------------------------------------------------------------- rows and the case runner
 def summarize(op: str, times: List[List[float]], world_size: int) -> Dict[str, float]:
     """Reduce per-rank timings: p2p uses the receiver's clock; allreduce the slowest rank per iteration."""
@@ -306,6 +330,7 @@ def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int
                 msg = f"{type(e).__name__}: {_first_line(e)}"
                 log(f"{label} {fmt_size(nbytes):>9}  FAILED {msg}")
                 rows.append(error_row(suite, op, impl, world_size, msg, nbytes))
+                ctx.progress.done((suite, impl.name, world_size, nbytes))  # the sizes after it are skipped
                 if impl.family == "rdt" and ("Timeout" in msg or "Unavailable" in msg):
                     ctx.unavailable[(impl.backend, world_size)] = f"skipped: {impl.name} failed with {msg[:200]}"
                 break  # the group (or process set) is unusable after a failure
@@ -316,6 +341,7 @@ def run_case(ctx: BenchContext, suite: str, op: str, impl: Impl, world_size: int
             extra = f"  busbw {row['busbw_gbps']:7.3f} GB/s" if op == "allreduce" else ""
             log(f"{label} {fmt_size(nbytes):>9}  {row['latency_us']:12.1f} us  {row['gbps']:7.3f} GB/s{extra}"
                 f"  (x{iters}) [{mech}]")
+            ctx.progress.done((suite, impl.name, world_size, nbytes))
     finally:
         try:
             impl.teardown(ctx)

@@ -19,6 +19,7 @@ import torch
 import rdt
 
 from ._cluster import log
+from ._collectives import EST_SETUP_S, estimate_s
 from ._mechanism import comparable, describe_pair, object_mechanism
 
 PAGE_FLOATS = 1024
@@ -151,6 +152,18 @@ def _round_trip(a: Any, b: Any, method: str, expect: float, timeout: float) -> f
     return dt
 
 
+def objects_plan(config: Any) -> List[Tuple[Any, float]]:
+    """The progress keys and estimated costs of :func:`objects_suite`: one per implementation and size."""
+    out: List[Tuple[Any, float]] = []
+    for nbytes in config.sizes:
+        warmup, iters = _iterations(nbytes, config.quick)
+        memory = 1 if nbytes == max(config.sizes) and not config.quick else 0  # the peak-RSS round trip
+        out += [(("objects", impl, nbytes), estimate_s(warmup + iters + memory, nbytes, 2)) for impl, _ in IMPLS]
+    if out:  # the first case also pays for the two actors and their two groups
+        out[0] = (out[0][0], out[0][1] + 3 * EST_SETUP_S)
+    return out
+
+
 def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
     """Round trips per implementation and size, and peak RSS at the largest size."""
     from ray.experimental.collective import create_collective_group as ray_rdt_group
@@ -201,6 +214,7 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     log(f"objects {impl:<18} {nbytes:>10} B  ERROR {row['error']}")
                 rows.append(row)
+                ctx.progress.done(("objects", impl, nbytes))
         rdt.destroy_collective_group(group)
     finally:
         for actor in (a, b):

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from ._baselines import RayCollectiveImpl
 from ._cluster import log
-from ._collectives import (BenchContext, Impl, RdtImpl, _ask_mechanism, _first_line, check, error_row,
-                           fmt_size, gather_times, make_row, make_tensor, prime)
+from ._collectives import (EST_SETUP_S, BenchContext, Impl, RdtImpl, _ask_mechanism, _first_line, check, error_row,
+                           estimate_s, fmt_size, gather_times, make_row, make_tensor, prime)
 
 MODES: Tuple[str, ...] = ("back-to-back", "barrier")
 WORLD_SIZE = 2
@@ -215,7 +215,19 @@ def _measure_sizes(ctx: BenchContext, ready: List[Tuple[Impl, Lib]]) -> List[Dic
         if times is None:
             break
         rows += _rows_of(ctx, live, nbytes, times)
+        ctx.progress.done(("p2p", "interleaved", nbytes))
     return rows
+
+
+def interleaved_plan(config: Any, nlibs: int) -> List[Tuple[Any, float]]:
+    """The progress keys and estimated costs of :func:`interleaved_p2p` over ``nlibs`` libraries: one per size."""
+    out: List[Tuple[Any, float]] = []
+    for i, nbytes in enumerate(config.sizes):
+        warmup, iters = rounds_for(config, nbytes)
+        calls = nlibs * (warmup + iters) * (1 + burst_for(nbytes, config.quick))
+        out.append((("p2p", "interleaved", nbytes), (nlibs * EST_SETUP_S if i == 0 else 0.0)
+                    + estimate_s(calls, nbytes, 1)))  # one transfer at a time
+    return out
 
 
 def _one_size(ctx: BenchContext, libs: List[Lib], nbytes: int) -> Dict[str, Dict[str, List[float]]]:

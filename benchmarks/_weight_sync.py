@@ -26,6 +26,7 @@ import ray
 import rdt
 
 from ._cluster import log
+from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
 from ._mechanism import object_mechanism
 from ._weight_sync_actor import PAGE_FLOATS, Shape, actor_class
 
@@ -409,12 +410,34 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
             if n == 1:
                 rows.append(copy_reference(world, warmup, iters))
                 rows.append(copy_reference(world, warmup, iters, threads=os.cpu_count() or 1))
+                ctx.progress.done((SUITE, "reference"))
             for case in CASES:
                 rows.append(run_case(world, case, warmup, iters, step))
                 step += warmup + iters + 1
+                ctx.progress.done((SUITE, case.impl, n))
             if n == min(config.weight_sync_workers):
                 rows += count_rows(world, config.quick)
+                ctx.progress.done((SUITE, "tensor-count"))
         finally:
             world.close()
     return rows
+
+
+def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
+    """The progress keys and estimated costs of :func:`weight_sync_suite`: the references, each case at each
+    worker count (the first of a worker count also pays for its actors, model and groups) and the tensor counts."""
+    nbytes = model_shape(config.weight_sync_scale).nbytes
+    warmup, iters = iterations(config)
+    out: List[Tuple[Any, float]] = []
+    for n in config.weight_sync_workers:
+        world = EST_SETUP_S * (2 + n) + 2 * (n + 1) * nbytes / EST_BYTES_PER_S
+        if n == 1:
+            out.append(((SUITE, "reference"), world + estimate_s(2 * (warmup + 1 + iters), nbytes, 1)))
+            world = 0.0
+        for i, case in enumerate(CASES):
+            out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0)
+                        + estimate_s(warmup + iters + 1, nbytes, max(1, n // 2))))
+        if n == min(config.weight_sync_workers):
+            out.append(((SUITE, "tensor-count"), estimate_s(18 * len(COUNTS) * len(COUNT_TRANSPORTS), COUNT_BYTES, 2)))
+    return out
 

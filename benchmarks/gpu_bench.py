@@ -1,6 +1,7 @@
 """The GPU benchmark that ``scripts/gpu-check`` runs on a machine with a GPU: every GPU path of rdt's object layer.
 
-Cases: cuda_ipc copy and map, NIXL VRAM->VRAM and VRAM->DRAM (a consumer without CUDA), ``auto``, ``rdt.get(...,
+Cases: cuda_ipc copy and map, NIXL VRAM->VRAM (also with UCX's own defaults for the actors' UCX_NET_DEVICES and
+UCX_TLS, with the protocols UCX chose), a NIXL object read by a consumer without CUDA, ``auto``, ``rdt.get(...,
 into=)`` on a GPU target (where this build has it), ``ray.get`` on the driver, and NCCL where two GPUs exist. Each
 is timed as ``ray.get(consumer.consume.remote(producer.make.remote()))`` on the driver (the objects suite's
 method), the producer returning the same kept tensor every time (weights returned every step), the median of
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -22,12 +24,15 @@ import torch
 
 import rdt
 
+from ._gpu_table import error_text, format_markdown  # noqa: F401 - re-exported
+
 PAGE_FLOATS = 1024
+UCX_DEFAULTS_CASE = "nixl VRAM->VRAM (UCX defaults)"
 
 
 @ray.remote
 class GpuBench:
-    """Producer and consumer of the benchmark (two of them share one GPU, num_gpus=0.5 each)."""
+    """Producer and consumer of the benchmark (up to four of them share one GPU, num_gpus=0.25 each)."""
 
     def __init__(self) -> None:
         self.t = torch.zeros(1)
@@ -71,6 +76,23 @@ class GpuBench:
         torch.cuda.synchronize()
         return [float(target[::PAGE_FLOATS].sum()), time.perf_counter() - start, self._last_path()]
 
+    def capture_stdio(self, path: str) -> None:
+        """Send this process's stdout and stderr to ``path`` (UCX prints its protocol choices there)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def ucx_protocols(self, path: str, limit: int = 3000) -> str:
+        """The protocol lines UCX printed with UCX_PROTO_INFO=y (the transports it chose per message size)."""
+        sys.stdout.flush()
+        try:
+            with open(path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if ln.startswith(("|", "+")) or "ucp_context" in ln]
+        except OSError as e:
+            return f"no capture: {e}"
+        return "\n".join(lines)[-limit:] or "UCX printed no protocol table"
+
     def _last_path(self) -> str:
         paths = rdt.stats()["paths"]
         grown = sorted(p for p, n in paths.items() if n > self._paths.get(p, 0))
@@ -92,56 +114,151 @@ def _time(fn: Callable[[], List[Any]], want: float, iters: int, warmup: int) -> 
     return {"median_s": statistics.median(times), "path": out[-1], "device": out[1] if len(out) > 2 else "cuda"}
 
 
-def run(sizes: List[int], iters: int, warmup: int) -> List[Dict[str, Any]]:
-    """Every case at every size; a case that cannot run here is a row with its reason."""
+# The cases in the order they run: the riskiest last (a hang there costs only what comes after it).
+CASES = ["cuda_ipc copy", "cuda_ipc map", "auto", "ray.get on the driver", "nixl VRAM->VRAM", "rdt.get(into=) GPU",
+         "nixl object, consumer without CUDA", UCX_DEFAULTS_CASE, "nccl"]
+CALL_TIMEOUT_S = 60
+# UCX's own defaults for the actors of UCX_DEFAULTS_CASE (every transport and device: the machine has no network
+# peer to reach anyway), and its protocol table printed to their captured stdio.
+UCX_DEFAULT_ENV = {"UCX_NET_DEVICES": "all", "UCX_TLS": "all", "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+UCX_CAPTURE = "/tmp/rdt-gpu-bench-ucx-{}.log"
+
+
+class _Actors:
+    """The benchmark's actors, each made the first time a case needs it (inside that case's ``try``)."""
+
+    def __init__(self) -> None:
+        self._made: Dict[str, Any] = {}
+        self.group: Any = None
+
+    def names(self) -> List[str]:
+        """The actors made so far."""
+        return list(self._made)
+
+    def get(self, name: str) -> Any:
+        if name not in self._made:
+            ucx = {"num_gpus": 0.25, "runtime_env": {"env_vars": dict(UCX_DEFAULT_ENV)}}
+            opts = {"a": {"num_gpus": 0.25}, "b": {"num_gpus": 0.25},
+                    "cpu": {"num_gpus": 0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}},
+                    "ua": ucx, "ub": ucx, "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
+            self._made[name] = GpuBench.options(**opts).remote()
+            if name in ("ua", "ub"):
+                ray.get(self._made[name].capture_stdio.remote(UCX_CAPTURE.format(name)), timeout=CALL_TIMEOUT_S)
+            if name == "p1":
+                self.group = rdt.create_collective_group([self.get("p0"), self._made["p1"]], backend="nccl")
+        return self._made[name]
+
+    def drop(self, *names: str) -> None:
+        """Kill these actors (their GPU share is freed for the next case)."""
+        for name in names:
+            actor = self._made.pop(name, None)
+            if actor is not None:
+                ray.kill(actor)
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                rdt.destroy_collective_group(self.group)
+            except Exception:  # noqa: BLE001 - killing the actors below ends the group anyway
+                pass
+        for actor in self._made.values():
+            ray.kill(actor)
+
+
+def _case(name: str, actors: _Actors, nbytes: int, n_gpus: int) -> Optional[Callable[[], List[Any]]]:
+    """The timed call of one case, after its set-up (actors made, tensors prepared); None when it cannot run here."""
+    def prepared(*names: str) -> List[Any]:
+        return ray.get([actors.get(n).prepare.remote(nbytes) for n in names], timeout=CALL_TIMEOUT_S)
+
+    get = lambda ref: ray.get(ref, timeout=CALL_TIMEOUT_S)  # noqa: E731
+    if name == "nccl":
+        if n_gpus < 2:
+            return None
+        actors.drop("a", "b", "cpu", "ua", "ub")  # each rank needs a whole GPU
+        prepared("p0", "p1")
+        p0, p1 = actors.get("p0"), actors.get("p1")
+        return lambda: get(p1.consume.remote(p0.nccl.remote()))
+    if name == "nixl object, consumer without CUDA":
+        info = prepared("a", "cpu")
+        if info[1]["cuda"]:
+            raise RuntimeError("the CPU-only consumer still sees CUDA (CUDA_VISIBLE_DEVICES='' did not hide it)")
+        a, cpu = actors.get("a"), actors.get("cpu")
+        return lambda: get(cpu.consume.remote(a.nixl.remote()))
+    if name == UCX_DEFAULTS_CASE:
+        prepared("ua", "ub")
+        ua, ub = actors.get("ua"), actors.get("ub")
+        return lambda: get(ub.consume.remote(ua.nixl.remote()))
+    if name == "rdt.get(into=) GPU" and not hasattr(rdt, "get"):
+        return None
+    prepared("a", "b")
+    a, b = actors.get("a"), actors.get("b")
+    return {"cuda_ipc copy": lambda: get(b.consume.remote(a.cuda_ipc.remote())),
+            "cuda_ipc map": lambda: get(b.consume.remote(a.cuda_ipc_map.remote())),
+            "auto": lambda: get(b.consume.remote(a.auto.remote())),
+            "ray.get on the driver": lambda: _driver_get(a.auto.remote()),
+            "nixl VRAM->VRAM": lambda: get(b.consume.remote(a.nixl.remote())),
+            "rdt.get(into=) GPU": lambda: get(b.consume_into.remote([a.auto.remote()]))}[name]
+
+
+def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
+        budget: float = float("inf")) -> List[Dict[str, Any]]:
+    """Every case at every size, case by case in CASES order; each row written to ``out`` as it ends, so a kill
+    keeps what was reached. A case that cannot run here, fails or is past ``budget`` is a row with its reason."""
     n_gpus = torch.cuda.device_count()
-    half = {"num_gpus": 0.5}
-    a, b = GpuBench.options(**half).remote(), GpuBench.options(**half).remote()
-    cpu = GpuBench.options(num_gpus=0, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}).remote()
-    group = None
-    pair = None
-    if n_gpus >= 2:
-        pair = [GpuBench.options(num_gpus=1).remote() for _ in range(2)]
-        group = rdt.create_collective_group(pair, backend="nccl")
+    deadline = time.monotonic() + budget
+    actors = _Actors()
     rows: List[Dict[str, Any]] = []
+    skip_reason = {"rdt.get(into=) GPU": "this build has no rdt.get", "nccl": f"needs two GPUs, found {n_gpus}"}
     try:
-        for nbytes in sizes:
-            info = ray.get([x.prepare.remote(nbytes) for x in (a, b, cpu) + tuple(pair or ())], timeout=120)
-            want = float(len(range(0, nbytes // 4, PAGE_FLOATS)))
-            cases: Dict[str, Optional[Callable[[], List[Any]]]] = {
-                "cuda_ipc copy": lambda: ray.get(b.consume.remote(a.cuda_ipc.remote()), timeout=120),
-                "cuda_ipc map": lambda: ray.get(b.consume.remote(a.cuda_ipc_map.remote()), timeout=120),
-                "nixl VRAM->VRAM": lambda: ray.get(b.consume.remote(a.nixl.remote()), timeout=120),
-                "nixl VRAM->DRAM": (lambda: ray.get(cpu.consume.remote(a.nixl.remote()), timeout=120))
-                if not info[2]["cuda"] else None,
-                "auto": lambda: ray.get(b.consume.remote(a.auto.remote()), timeout=120),
-                "rdt.get(into=) GPU": (lambda: ray.get(b.consume_into.remote([a.auto.remote()]), timeout=120))
-                if hasattr(rdt, "get") else None,
-                "ray.get on the driver": lambda: _driver_get(a.auto.remote()),
-                "nccl": (lambda: ray.get(pair[1].consume.remote(pair[0].nccl.remote()), timeout=120))
-                if pair is not None else None,
-            }
-            for name, fn in cases.items():
+        for name in CASES:
+            for nbytes in sizes:
                 row: Dict[str, Any] = {"case": name, "bytes": nbytes}
-                if fn is None:
-                    row["skipped"] = {"nixl VRAM->DRAM": "the CPU-only consumer still sees CUDA",
-                                      "rdt.get(into=) GPU": "this build has no rdt.get",
-                                      "nccl": f"needs two GPUs, found {n_gpus}"}[name]
+                if time.monotonic() > deadline:
+                    row["skipped"] = f"not run: the benchmark's budget ({budget:.0f} s) was spent"
                 else:
+                    started = time.monotonic()
                     try:
-                        row.update(_time(fn, want, iters, warmup))
+                        fn = _case(name, actors, nbytes, n_gpus)
+                        if fn is None:
+                            row["skipped"] = skip_reason[name]
+                        else:
+                            want = float(len(range(0, nbytes // 4, PAGE_FLOATS)))
+                            row.update(_time(fn, want, iters, warmup))
                     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
-                        row["error"] = f"{type(e).__name__}: {e}"
+                        row["error"] = error_text(e)
+                    if name == UCX_DEFAULTS_CASE and "ub" in actors.names():
+                        row["ucx"] = _protocols(actors)
+                    row["case_s"] = round(time.monotonic() - started, 2)
                 if "median_s" in row:
                     row["GB/s"] = round(nbytes / row["median_s"] / 1e9, 2)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
+                _write(out, rows)
     finally:
-        if group is not None:
-            rdt.destroy_collective_group(group)
-        for actor in (a, b, cpu) + tuple(pair or ()):
-            ray.kill(actor)
+        actors.close()
     return rows
+
+
+def _protocols(actors: _Actors) -> str:
+    """What UCX chose for the READs of UCX_DEFAULTS_CASE, as its consumer and producer printed it; never raises."""
+    try:
+        return "\n".join(f"[{n}]\n" + ray.get(actors.get(n).ucx_protocols.remote(UCX_CAPTURE.format(n)),
+                                                 timeout=CALL_TIMEOUT_S) for n in ("ub", "ua"))
+    except Exception as e:  # noqa: BLE001 - a missing table must not fail the row
+        return f"could not read UCX's protocol table: {error_text(e)}"
+
+
+def _write(out: Optional[str], rows: List[Dict[str, Any]]) -> None:
+    """The rows so far, replacing the file whole (a reader never sees half a JSON)."""
+    if not out:
+        return
+    import os
+
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows, "gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0),
+                   "torch": torch.__version__}, f, indent=1)
+    os.replace(tmp, out)
 
 
 def _driver_get(ref: Any) -> List[Any]:
@@ -149,23 +266,13 @@ def _driver_get(ref: Any) -> List[Any]:
     return [float(t.view(-1)[::PAGE_FLOATS].sum()), str(t.device), "driver"]
 
 
-def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    """One table: case, size, median time, throughput, the path that served, or why it did not run."""
-    lines = ["| case | size | median ms | GB/s | path | note |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ms = f"{r['median_s'] * 1e3:.3f}" if "median_s" in r else ""
-        note = r.get("error") or r.get("skipped") or ""
-        lines.append(f"| {r['case']} | {r['bytes'] >> 20} MiB | {ms} | {r.get('GB/s', '')} | {r.get('path', '')} "
-                     f"| {note} |")
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1M,64M,256M", help="object sizes (K/M/G binary units)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--out", default=None, help="write the rows as JSON here (after each case)")
+    p.add_argument("--budget", type=float, default=float("inf"), help="seconds: later cases are not started")
     args = p.parse_args(argv)
     from .rdt_bench import parse_size
 
@@ -175,13 +282,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        rows = run(sizes, args.iters, args.warmup)
+        rows = run(sizes, args.iters, args.warmup, args.out, args.budget)
     finally:
         ray.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "gpus": torch.cuda.device_count(),
-                       "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, f, indent=1)
     print(format_markdown(rows))
     return 0 if rows and not any("error" in r for r in rows) else 1
 

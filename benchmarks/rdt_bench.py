@@ -3,7 +3,8 @@ rdt's object layer vs Ray's built-in RDT and object store, and a model's weights
 
 Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync | --suites xnode] [--sizes 4K,1M] [--world-sizes 2,4]
 [--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
-Progress goes to stderr (one line per case and size), the table to stdout, and every measurement plus machine
+Progress goes to stderr (one line per case and size, and where the run stands: a bar on a terminal, plain
+lines otherwise), the table to stdout, and every measurement plus machine
 info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. Every row names the mechanism that served it
 (``mechanism``, read at run time) and how it was timed (``mode``). A suite is a function of a
 :class:`BenchContext` returning result dicts; add one to :data:`SUITES` to extend the matrix.
@@ -18,16 +19,19 @@ import sys
 import time
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import rdt_transports  # noqa: F401 - first: refuses an 'rdt' of another distribution before anything runs
 
 from ._baselines import RayCollectiveImpl, baseline_impls
 from ._compare import CompareError, compare_runs
 from ._cluster import ActorPool, env_mismatch, log, start_ray
-from ._collectives import BenchConfig, BenchContext, Impl, fmt_size, rdt_impls, run_case
-from ._objects import object_targets, objects_suite
-from ._p2p import interleaved_p2p
+from ._collectives import BenchConfig, BenchContext, Impl, case_plan, fmt_size, rdt_impls, run_case
+from ._objects import object_targets, objects_plan, objects_suite
+from ._p2p import interleaved_p2p, interleaved_plan
+from ._progress import Progress, SuitePlan
 from ._targets import weight_sync_targets
-from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_suite
+from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
 from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
 from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
                       write_png)
@@ -44,6 +48,13 @@ def _impls(ctx: BenchContext, op: str) -> List[Impl]:
     return rdt_impls(ctx.config.backends, op) + baseline_impls(op)
 
 
+def _p2p_impls(ctx: BenchContext) -> Tuple[List[Impl], List[Impl]]:
+    """The p2p implementations: (those interleaved in the same two actors, those run as their own cases)."""
+    impls = [i for i in _impls(ctx, "p2p") if "p2p" in i.ops]
+    together = [i for i in impls if i.family == "rdt" or isinstance(i, RayCollectiveImpl)]
+    return together, [i for i in impls if i not in together]
+
+
 def p2p_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
     """Rank 0 -> rank 1 send/recv of one tensor, timed on the receiver.
 
@@ -51,27 +62,47 @@ def p2p_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
     and barrier-then-transfer (see _p2p); the other baselines (own processes, or the object store) run as their
     own cases, barrier-then-transfer.
     """
-    impls = [i for i in _impls(ctx, "p2p") if "p2p" in i.ops]
-    together = [i for i in impls if i.family == "rdt" or isinstance(i, RayCollectiveImpl)]
+    together, alone = _p2p_impls(ctx)
     rows = interleaved_p2p(ctx, together)
-    for impl in impls:
-        if impl not in together:
-            rows += run_case(ctx, "p2p", "p2p", impl, P2P_WORLD_SIZE)
+    for impl in alone:
+        rows += run_case(ctx, "p2p", "p2p", impl, P2P_WORLD_SIZE)
     return rows
+
+
+def _allreduce_cases(ctx: BenchContext) -> List[Tuple[Impl, int]]:
+    """(implementation, world size) of every allreduce case, fresh implementation objects per world size."""
+    return [(impl, ws) for ws in ctx.config.world_sizes for impl in _impls(ctx, "allreduce")
+            if "allreduce" in impl.ops]
 
 
 def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
     """In-place SUM allreduce over every world size, timed as the slowest rank per iteration."""
     rows: List[Dict[str, Any]] = []
-    for ws in ctx.config.world_sizes:
-        for impl in _impls(ctx, "allreduce"):
-            if "allreduce" in impl.ops:
-                rows += run_case(ctx, "allreduce", "allreduce", impl, ws)
+    for impl, ws in _allreduce_cases(ctx):
+        rows += run_case(ctx, "allreduce", "allreduce", impl, ws)
     return rows
 
 
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
                                                "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite})
+
+
+def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
+    """Every case the selected suites will run, with a rough cost each: what the progress report counts."""
+    config = ctx.config
+
+    def cases(name: str) -> List[Tuple[Any, float]]:
+        if name == "p2p":
+            together, alone = _p2p_impls(ctx)
+            return interleaved_plan(config, len(together)) + [
+                c for impl in alone for c in case_plan(config, "p2p", impl.name, P2P_WORLD_SIZE)]
+        if name == "allreduce":
+            return [c for impl, ws in _allreduce_cases(ctx) for c in case_plan(config, "allreduce", impl.name, ws)]
+        if name == "objects":
+            return objects_plan(config)
+        return weight_sync_plan(config)
+
+    return [SuitePlan(name, tuple(cases(name))) for name in suites]
 DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync"
 XNODE = "xnode"  # not in SUITES: it starts its own cluster across network namespaces (run_xnode)
 XNODE_SCALE = 0.25  # the cross-node weight sync's default model scale: five nodes' object stores on one machine
@@ -187,12 +218,15 @@ def run(args: argparse.Namespace) -> int:
         meta["actor_env"] = pool.info[0]["env"] if pool.info else {}
         if bad:
             log("warning: workers do not see the benchmark environment: " + "; ".join(bad))
-        for i, name in enumerate(suites):
-            if i:  # every suite starts from fresh actors: what one suite's workers still hold (pools, registrations,
-                pool.reset()  # heap glibc kept) must not push the next one (the 988 MB weight sync) out of memory
-            rows += SUITES[name](ctx)
-            meta["elapsed_s"] = round(time.monotonic() - started, 1)
-            write_json(json_path, meta, rows)  # partial results survive a later crash
+        with Progress(run_plan(ctx, suites)) as ctx.progress:
+            for i, name in enumerate(suites):
+                ctx.progress.start_suite(name)
+                if i:  # every suite starts from fresh actors: what one suite's workers still hold (pools,
+                    pool.reset()  # registrations, heap glibc kept) must not push the next one out of memory
+                rows += SUITES[name](ctx)
+                ctx.progress.finish_suite()
+                meta["elapsed_s"] = round(time.monotonic() - started, 1)
+                write_json(json_path, meta, rows)  # partial results survive a later crash
     finally:
         pool.shutdown()
         import ray

@@ -15,7 +15,7 @@ import importlib.util  # noqa: E402
 import sys  # noqa: E402
 
 if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")):
-    print("nixl is not installed (pip install 'rdt[nixl]'): skipping this example")
+    print("nixl is not installed (pip install 'ray-direct-transport[nixl]'): skipping this example")
     sys.exit(0)
 
 import ray  # noqa: E402

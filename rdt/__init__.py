@@ -8,6 +8,8 @@ else falls back to Ray's object store. Tensors are freed when the last reference
 Transports (``rdt.transports``) follow one contract; ``rdt.register_transport`` adds your own.
 """
 
+__distribution__ = "ray-direct-transport"  # the package index's "rdt" is another project: rdt_transports checks this
+
 # first: fails clearly if the installed Ray lacks a private API rdt needs
 from ._ray import hooks as _ray_hooks  # noqa: F401
 from ._consumer import async_args as _async_args, parallel_fetch as _batch, unpickle as _unpickle
@@ -20,6 +22,7 @@ from ._api.tensor_method import put, tensor_method
 from ._api.get import get, get_async, wait_tensor_freed
 from .transports import register_transport
 from .errors import (
+    IntoBusyError,
     IntoMismatchError,
     InvalidArgumentError,
     NoCollectiveGroupError,
@@ -36,7 +39,7 @@ from .errors import (
 __all__ = [
     "tensor_method", "put", "get", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
-    "TransferTimeoutError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
+    "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]
 
 

@@ -10,6 +10,7 @@ from rdt_transports.errors import (  # noqa: F401
     GroupErroredError,
     GroupExistsError,
     GroupNotFoundError,
+    IntoBusyError,
     IntoMismatchError,
     TensorInUseError,
     InvalidArgumentError,
@@ -26,7 +27,7 @@ from rdt_transports.errors import (  # noqa: F401
 )
 
 __all__ = [
-    "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError", "TransferTimeoutError", "IntoMismatchError", "TensorInUseError",
+    "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError", "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError",
     "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
     "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",

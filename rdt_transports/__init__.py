@@ -12,6 +12,10 @@ it) and four shared helpers, kept private here: ``_lifecycle`` (threads, exit an
 liveness, owner locks), ``_memcopy`` (GIL-free copies) and ``_cma`` (``process_vm_readv``).
 """
 
+from ._distribution import check_rdt
+
+check_rdt()  # first: an 'rdt' from another distribution (the package index's rdt) fails here, naming both
+
 from .collective import (
     DEFAULT_TIMEOUT_S,
     GroupHandle,
@@ -49,6 +53,7 @@ from .errors import (
     GroupNotFoundError,
     InvalidArgumentError,
     PeerUnavailableError,
+    SharedDeviceError,
     RdtError,
     TensorMismatchError,
     UnsupportedError,
@@ -70,5 +75,5 @@ __all__ = [
     "alltoall", "barrier",
     "RdtError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
-    "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",
+    "CollectiveTimeoutError", "PeerUnavailableError", "SharedDeviceError", "TensorMismatchError", "AuthenticationError",
 ]

@@ -1,5 +1,10 @@
-"""Process liveness on this node, shared by the transports and the object layer: by pid (within one pid
-namespace) and by owner lock (across pid namespaces sharing /dev/shm)."""
+"""Process liveness on this node, shared by the transports and the object layer: by (pid, start time) within one
+pid namespace, and by owner lock (across pid namespaces sharing /dev/shm).
+
+A pid alone does not name a process: once it exits, the kernel hands its number to a later process, and a watch
+by pid would then see the dead peer as alive. Whoever records a peer's pid records its start time with it
+(:func:`identity`, published beside the pid) and asks :func:`process_alive` with both.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +44,31 @@ def pid_alive(pid: int) -> bool:
         except PermissionError:
             pass
         return True
+
+
+Proc = Tuple[int, Optional[int]]  # (pid, start time): one process for good (start None: unknown, pid alone)
+
+
+def identity(pid: Optional[int] = None) -> Proc:
+    """(pid, start time) of ``pid`` (default: this process) as it runs now."""
+    pid = os.getpid() if pid is None else pid
+    return pid, start_time(pid)
+
+
+def process_alive(pid: int, started: Optional[int]) -> bool:
+    """Whether the process ``(pid, started)`` still runs: ``pid`` runs (not as a zombie) and started at
+    ``started`` (a later process given the same pid has another start time). ``started`` None: by pid alone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:  # /proc unreadable here: by signal 0, without the start time
+        return pid_alive(pid)
+    try:
+        return fields[0] not in (b"Z", b"X") and (started is None or int(fields[19]) == started)
+    except (IndexError, ValueError):
+        return False
 
 
 def start_time(pid: int) -> Optional[int]:

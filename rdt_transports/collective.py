@@ -7,14 +7,18 @@ Switching from ``ray.util.collective`` is a change of import. Differences: every
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._context import ABORT_KEY, get_context
 from ._metrics import Metrics
 from ._rendezvous import Rendezvous
-from .errors import BackendUnavailableError, GroupError, InvalidArgumentError, RdtError
+from .errors import (BackendUnavailableError, GroupError, GroupNotFoundError, InvalidArgumentError, RdtError,
+                     SharedDeviceError)
 from .group import CollectiveGroup
 from .types import ReduceOp, Timeout, to_seconds
 
@@ -47,21 +51,47 @@ def _preflight(backend: str, group_name: str, rank: Optional[int] = None) -> Non
         raise type(e)(e.message, group=group_name, rank=rank, op="init_collective_group", hint=e.hint) from None
 
 
-def _preflight_on_actor(_self: Any, backend: str, group_name: str) -> Optional[Tuple[str, str, Optional[str]]]:
-    """Runs in each member before any rendezvous: None, or (error class name, message, hint)."""
+def _preflight_on_actor(_self: Any, backend: str, group_name: str) -> Dict[str, Any]:
+    """Runs in each member before any rendezvous: {"error": None or (class name, message, hint), "device": the
+    device this member would run the backend on (backends that own one device per rank, e.g. nccl), or None}."""
     try:
         _preflight(backend, group_name)
     except RdtError as e:
-        return type(e).__name__, e.message, e.hint
-    return None
+        return {"error": (type(e).__name__, e.message, e.hint), "device": None}
+    return {"error": None, "device": _device_identity(backend)}
+
+
+def _device_identity(backend: str) -> Optional[str]:
+    """This process's device for ``backend`` ("node N GPU UUID"), when the backend needs one device per rank."""
+    from .backends import backend_class
+
+    identify = getattr(backend_class(backend), "device_identity", None)
+    try:
+        return identify() if identify is not None else None
+    except Exception:  # noqa: BLE001 - no identity: the check is skipped, never the group
+        return None
 
 
 def destroy_collective_group(group: "str | GroupHandle" = "default", *, timeout: Timeout = DEFAULT_TIMEOUT_S) -> None:
-    """Leave a group: by name inside a member, or by the handle create_collective_group returned (driver)."""
+    """Destroy a group: by name, this process's membership and the groups this process created under that name
+    with create_collective_group (on their members); or by the handle create_collective_group returned."""
     if isinstance(group, GroupHandle):
         group.destroy(timeout=timeout)
         return
-    get_context().destroy(group)
+    member = get_context().find(group) is not None
+    created = _created.take(group)
+    if not member and not created:
+        raise GroupNotFoundError(
+            f"no collective group named {group!r} in this process, and none created here under that name",
+            group=group, op="destroy_collective_group",
+            hint="destroy it where it lives: by name inside a member (init_collective_group), or in the process "
+            "that called create_collective_group (by name, or with the handle it returned)")
+    if member:
+        get_context().destroy(group)
+    for made in created:
+        handle = made.live()
+        if handle is not None:  # else no handle to any member is left here (see _CreatedGroups)
+            handle.destroy(timeout=timeout)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:
@@ -141,6 +171,7 @@ class GroupHandle:
         if self.destroyed:
             return
         self.destroyed = True
+        _created.forget(self)
         self.abort("the group was destroyed from the driver")
         refs = [a.__ray_call__.remote(_destroy_on_actor, self.name, self.uid) for a in self.actors]
         seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
@@ -156,6 +187,80 @@ class GroupHandle:
             Rendezvous(self.uid, self.name).clear()
         except RdtError:
             pass
+
+
+@dataclass
+class _Created:
+    """A group this process created, remembered without holding any actor (see :class:`_CreatedGroups`)."""
+
+    handle: "weakref.ref[GroupHandle]"
+    name: str
+    uid: str
+    backend: str
+    timeout: float
+    members: List[Tuple["weakref.ref[Any]", int]]  # (a weak reference to an actor's handle, its rank)
+
+    @classmethod
+    def of(cls, handle: GroupHandle) -> "_Created":
+        return cls(weakref.ref(handle), handle.name, handle.uid, handle.backend, handle.timeout,
+                   [(weakref.ref(a), r) for a, r in zip(handle.actors, handle.ranks)])
+
+    def gone(self) -> bool:
+        """Neither the caller's handle nor any member's handle is left in this process."""
+        return self.handle() is None and all(ref() is None for ref, _ in self.members)
+
+    def live(self) -> Optional[GroupHandle]:
+        """The caller's handle if it still exists, else one over the members whose handles do; None if none."""
+        handle = self.handle()
+        if handle is not None:
+            return handle
+        alive = [(a, r) for a, r in ((ref(), r) for ref, r in self.members) if a is not None]
+        if not alive:
+            return None
+        return GroupHandle(self.name, self.uid, self.backend, [a for a, _ in alive], [r for _, r in alive],
+                           self.timeout)
+
+
+class _CreatedGroups:
+    """The groups this process created, by name, so that ``destroy_collective_group(name)`` reaches them.
+
+    Only weak references: an actor lives while the caller keeps a handle to it, never because of this table. A
+    group whose handle was dropped is destroyed on the members whose handles the caller still holds (a plain
+    actor exits with its last handle, its groups with it; a named or detached one outlives them, so keep the
+    group's handle for those). Groups nothing is left of are forgotten at the next create.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: Dict[str, List[_Created]] = {}
+
+    def add(self, handle: GroupHandle) -> None:
+        """Remember a group just created; forget those nothing is left of."""
+        with self._lock:
+            for name in list(self._groups):
+                kept = [c for c in self._groups[name] if not c.gone()]
+                if kept:
+                    self._groups[name] = kept
+                else:
+                    del self._groups[name]
+            self._groups.setdefault(handle.name, []).append(_Created.of(handle))
+
+    def forget(self, handle: GroupHandle) -> None:
+        """The group was destroyed (through its handle)."""
+        with self._lock:
+            kept = [c for c in self._groups.get(handle.name, []) if c.uid != handle.uid]
+            if kept:
+                self._groups[handle.name] = kept
+            else:
+                self._groups.pop(handle.name, None)
+
+    def take(self, name: str) -> List[_Created]:
+        """Every group created here under ``name`` and not destroyed through its handle (forgotten here now)."""
+        with self._lock:
+            return self._groups.pop(name, [])
+
+
+_created = _CreatedGroups()
 
 
 def _init_on_actor(_self: Any, world_size: int, rank: int, backend: str, name: str, timeout: float, uid: str,
@@ -191,6 +296,7 @@ def create_collective_group(
                                    hint="pass a list, e.g. create_collective_group([a, b])")
     actors = list(actors)
     seconds = to_seconds(timeout, DEFAULT_TIMEOUT_S)
+    deadline = time.monotonic() + seconds  # one deadline for the preflight and the join: never waits past it
     try:  # unknown backend / missing package: fail before touching any actor
         backend_cls = backend_class(backend)
     except RdtError as e:
@@ -222,57 +328,83 @@ def create_collective_group(
     if getattr(backend_cls, "check_available", None) is not None:
         # Backends with runtime requirements (nccl: cupy, libnccl, a visible GPU) are checked in every member
         # before anything is published, so a CPU-only actor fails fast with the fix instead of a rendezvous hang.
-        _check_members(actors, ranks, backend, group_name, seconds)
+        _check_members(actors, ranks, backend, group_name, seconds, deadline)
     uid = uuid.uuid4().hex
     secret = secrets.token_bytes(32)
     members = [""] * world_size
     for a, r in zip(actors, ranks):
         members[r] = a._actor_id.hex()
+    left = max(deadline - time.monotonic(), 0.0)
+    # The members' own join timeout ends a little before the driver's, so their typed errors arrive in time.
+    member_s = max(left - min(2.0, left * 0.2), 0.05)
     refs = [
-        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, seconds, uid, secret, members)
+        a.__ray_call__.remote(_init_on_actor, world_size, r, backend, group_name, member_s, uid, secret, members)
         for a, r in zip(actors, ranks)
     ]
     handle = GroupHandle(group_name, uid, backend, actors, ranks, seconds)
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
     errors: List[str] = []
     for a, r, ref in zip(actors, ranks, refs):
         if ref in pending:
-            errors.append(f"rank {r}: did not join within {seconds:.0f}s (actor busy or stuck?)")
+            errors.append(f"rank {r} (actor {a._actor_id.hex()}): did not join within {seconds:.0f}s "
+                          "(actor busy, stuck, or not scheduled for lack of resources?)")
             continue
         try:
-            ray.get(ref)
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
         except Exception as e:  # noqa: BLE001 - collect every member's failure
             errors.append(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
     if errors:
-        handle.destroy(timeout=5)
+        handle.destroy(timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))  # never long past the deadline
         raise GroupError(
             "could not create the group: " + "; ".join(errors), group=group_name, op="create_collective_group",
             hint="fix the failures above (a group name already used by an actor must be destroyed first)",
         )
+    _created.add(handle)
     return handle
 
 
-def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float) -> None:
+def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float,
+                   deadline: float) -> None:
+    """Every member can run ``backend`` and, for backends with one device per rank, no two share a device; a typed
+    error naming the members otherwise, before anything is published (waits until ``deadline`` at most)."""
     import ray
 
     refs = [a.__ray_call__.remote(_preflight_on_actor, backend, group_name) for a in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=seconds + 10)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
+    silent = [f"rank {r} (actor {a._actor_id.hex()})" for a, r, ref in zip(actors, ranks, refs) if ref not in ready]
+    if silent:
+        raise GroupError(
+            f"could not create the group: {', '.join(silent)} did not answer within {seconds:.0f}s",
+            group=group_name, op="create_collective_group",
+            hint="the actor is busy in a long method, stuck, or not scheduled (its resources, e.g. num_gpus, are "
+            "taken): free them or raise the timeout",
+        )
     problems: List[str] = []
     hint: Optional[str] = None
-    for r, ref in zip(ranks, refs):
-        if ref not in ready:
-            continue  # a busy member is reported by the join below
+    devices: Dict[str, List[str]] = {}
+    for a, r, ref in zip(actors, ranks, refs):
         try:
-            res = ray.get(ref)
+            res = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
         except Exception:  # noqa: BLE001 - a dead member is reported by the join below
             continue
-        if res is not None:
-            problems.append(f"rank {r}: {res[1]}")
-            hint = hint or res[2]
+        if res["error"] is not None:
+            problems.append(f"rank {r}: {res['error'][1]}")
+            hint = hint or res["error"][2]
+        elif res["device"] is not None:
+            devices.setdefault(res["device"], []).append(f"rank {r} (actor {a._actor_id.hex()})")
     if problems:
         raise BackendUnavailableError(
             f"backend {backend!r} cannot run on every member: " + "; ".join(problems), group=group_name,
             op="create_collective_group", hint=hint,
+        )
+    shared = {dev: who for dev, who in devices.items() if len(who) > 1}
+    if shared:
+        raise SharedDeviceError(
+            f"backend {backend!r} needs one GPU per rank, but " + "; ".join(
+                f"{' and '.join(who)} share {dev}" for dev, who in shared.items()),
+            group=group_name, op="create_collective_group",
+            hint="give each rank its own GPU (@ray.remote(num_gpus=1)); for transfers between actors on one GPU "
+            "use tensor_transport='cuda_ipc' or 'nixl' instead of an NCCL group",
         )
 
 

@@ -67,6 +67,10 @@ class UnsupportedError(RdtError, ValueError):
     """The backend or transport cannot do what was asked (device, op, dtype); checked before any peer is touched."""
 
 
+class SharedDeviceError(InvalidArgumentError):
+    """Two ranks of a group that needs one device per rank (NCCL) would run on the same GPU."""
+
+
 class BackendUnavailableError(RdtError, ImportError):
     """The package a backend needs is not installed or cannot run on this machine."""
 
@@ -132,6 +136,11 @@ class ProducerDiedError(ObjectFetchError):
 
 class TransferTimeoutError(ObjectFetchError, TimeoutError):
     """Fetching an object did not finish within the transfer timeout."""
+
+
+class IntoBusyError(TransferTimeoutError):
+    """``rdt.get(..., into=...)``: an earlier fetch into the same bytes failed but may still write them (a NIXL READ
+    in flight), and did not end within the timeout; nothing was moved."""
 
 
 class IntoMismatchError(ObjectError, ValueError):

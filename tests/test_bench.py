@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,21 @@ def _bench(*args: str, timeout: float = 180, env: Dict[str, str] = None) -> subp
                           text=True, timeout=timeout, env=env)
 
 
+def _check_progress(stderr: str, suites: List[str], rows: List[Dict[str, Any]]) -> None:
+    """Not a terminal: plain progress lines, from suite 1's first case to every case done; none skipped unless a
+    case failed (so the plan of cases matches what the suites marked done)."""
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("rdt-bench progress: ")]
+    n = len(suites)
+    assert lines and lines[0].startswith(f"rdt-bench progress: suite 1/{n} {suites[0]}, cases 0/"), lines
+    for k, name in enumerate(suites, 1):
+        assert any(f"suite {k}/{n} {name}, " in ln for ln in lines), (name, lines)
+    last = re.match(r"rdt-bench progress: suite (\d+)/\d+ \S+, cases (\d+)/(\d+) \(100%\)( \(\d+ skipped\))?, "
+                    r"elapsed \S+, about 0s left$", lines[-1])
+    assert last and last.group(1) == str(n) and last.group(2) == last.group(3), lines[-1]
+    assert last.group(4) is None or any("error" in r for r in rows), lines[-1]
+    assert "\x1b" not in stderr
+
+
 # The smoke test runs first: its rdt-bench starts its own cluster, before this module's shared one exists.
 @pytest.mark.timeout(220)
 def test_rdt_bench_quick(tmp_path: Path) -> None:
@@ -40,6 +56,8 @@ def test_rdt_bench_quick(tmp_path: Path) -> None:
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 1, f"expected one JSON file in {tmp_path}, got {files}"
     data = json.loads(files[0].read_text())
+    _check_progress(proc.stderr, ["p2p", "allreduce", "objects"], [r for r in data["results"]
+                                                                   if r["impl"] != "ray-rdt-nixl"])
     assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["ray"] and data["machine"]["torch"]
     ok = [r for r in data["results"] if "error" not in r]
     for suite in ("p2p", "allreduce"):
@@ -82,6 +100,7 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     (path,) = sorted(tmp_path.glob("*.json"))
     data = json.loads(path.read_text())
+    _check_progress(proc.stderr, ["weight-sync"], data["results"])
     rows = [r for r in data["results"] if r["suite"] == "weight-sync"]
     shape = model_shape(0.01)
     assert data["config"]["weight_sync"]["model_bytes"] == shape.nbytes

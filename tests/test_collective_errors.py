@@ -37,9 +37,9 @@ SLACK_S = 5.0  # how much later than its timeout a failing call may return on a 
 
 def _require(backend: str) -> None:
     if backend == "nixl" and not HAS_NIXL:
-        pytest.skip("nixl is not installed (pip install 'rdt[nixl]')")
+        pytest.skip("nixl is not installed (pip install 'ray-direct-transport[nixl]')")
     if backend == "ucx" and not HAS_UCXX:
-        pytest.skip("ucxx is not installed (pip install 'rdt[ucx]')")
+        pytest.skip("ucxx is not installed (pip install 'ray-direct-transport[ucx]')")
 
 
 def assert_error(err: Optional[BaseException], cls: type, *, group: Optional[str] = None,
@@ -270,6 +270,24 @@ def test_driver_is_not_a_member(pair_groups) -> None:
         rt.allreduce(torch.ones(3), name)
     assert_error(info.value, GroupNotFoundError, group=name)
     assert rt.get_rank(name) == -1 and not rt.is_group_initialized(name)
+
+
+def test_driver_destroys_the_groups_it_created_by_name(ew) -> None:
+    """``destroy_collective_group(name)`` in the driver that created ``name`` destroys it on its members (the
+    handle kept or not); the name is free again at once; a name it never created names the group in the error."""
+    name = "made-by-name"
+    rt.create_collective_group(ew[:2], backend="gloo", group_name=name)  # the handle is not kept
+    _assert_pair_works(ew[:2], name)
+    rt.destroy_collective_group(name, timeout=30)
+    assert _state(ew[0], name) is None and _state(ew[1], name) is None
+    handle = rt.create_collective_group([ew[2], ew[0]], backend="gloo", group_name=name)  # the name is free again
+    _assert_pair_works([ew[2], ew[0]], name)
+    rt.destroy_collective_group(name, timeout=30)
+    assert handle.destroyed and _state(ew[2], name) is None and _state(ew[0], name) is None
+    handle.destroy(timeout=30)  # already destroyed: a no-op
+    with pytest.raises(GroupNotFoundError) as info:
+        rt.destroy_collective_group(name)
+    assert_error(info.value, GroupNotFoundError, group=name, contains=("create_collective_group",))
 
 
 # ---------------------------------------------------------------------------------------------- actor-side init

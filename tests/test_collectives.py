@@ -37,9 +37,9 @@ ROTATE_P2P_ALGORITHMS = os.environ.get("RDT_TEST_ROTATE_ALGORITHMS", "0") == "1"
 
 def _require(backend: str) -> None:
     if backend == "nixl" and not HAS_NIXL:
-        pytest.skip("nixl is not installed (pip install 'rdt[nixl]')")
+        pytest.skip("nixl is not installed (pip install 'ray-direct-transport[nixl]')")
     if backend == "ucx" and not HAS_UCXX:
-        pytest.skip("ucxx is not installed (pip install 'rdt[ucx]')")
+        pytest.skip("ucxx is not installed (pip install 'ray-direct-transport[ucx]')")
 
 
 class Groups:

@@ -83,3 +83,71 @@ def test_forked_child_starts_fresh_and_leaves_the_parent_intact(tmp_path):
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
     assert "CHILD_FRESH=True" in out and "CHILD_EXIT=0" in out, out + proc.stderr[-2000:]
     assert "PARENT_INTACT=True" in out, out + proc.stderr[-2000:]
+
+
+_STALLED_STREAM_PRODUCER = textwrap.dedent(
+    """
+    import secrets, sys
+    import torch
+    from rdt._control.server import ControlServer
+    from rdt._objects.flatten import flatten
+    from rdt._objects.table import Entry
+    from rdt._process.context import get_context
+
+    ctx = get_context()
+    # The control server a producer starts on first use (its Ray identity aside), serving this process's objects.
+    ctx._server = ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
+    obj_id = secrets.token_bytes(16)
+    ctx.table.add(Entry(obj_id, flatten(torch.ones(64 << 18)), "auto"))  # 64 MiB: far more than socket buffers
+    print(f"READY {ctx._server.address} {ctx.process_key.hex()} {obj_id.hex()}", flush=True)
+    sys.stdin.readline()  # the consumer stopped reading mid-stream: now exit normally
+    print("EXITING", flush=True)
+    """
+)
+
+
+def test_producer_exits_promptly_while_a_consumer_stalls_mid_stream(tmp_path):
+    """A consumer that asked for an object's bytes (with the longest deadline) and stopped reading leaves the
+    producer's stream thread blocked in ``sendall``; the producer still exits within seconds, not at the deadline."""
+    import socket
+    import struct
+    import time
+
+    from rdt._control import wire as _control
+    from rdt.transports.object_store import REQ_FETCH_BYTES
+
+    script = tmp_path / "stalled_stream_producer.py"
+    script.write_text(_STALLED_STREAM_PRODUCER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sock = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), line + proc.stderr.read()
+        address, key_hex, obj_hex = line.split()[1:]
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        payload = bytes.fromhex(obj_hex) + struct.pack("!I", 3_600_000)  # stream for up to an hour
+        sock.sendall(_control.encode(REQ_FETCH_BYTES, _control.KEY_PROCESS, bytes.fromhex(key_hex),
+                                     payload))
+        _control.read_frame(sock)  # the answer; the object's bytes follow and are never read
+        sock.recv(1 << 16)
+        time.sleep(1.0)  # the producer's stream thread fills the socket buffers and blocks in sendall
+        start = time.monotonic()
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the producer did not exit within 20 s while a consumer stalled mid-stream")
+        took = time.monotonic() - start
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{err[-3000:]}"
+        assert "EXITING" in out and took < 10.0, (took, out, err[-2000:])
+    finally:
+        if sock is not None:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -250,8 +250,10 @@ class Consumer:
         from rdt.transports.nixl.agent import agent
 
         gc.collect()
-        t = agent(get_context()).targets
-        return {"made": t.made, "live": len(t)}
+        ag = agent(get_context())
+        with ag.lock:  # dead storages' registrations go at the next drain (the progress thread's, within ms)
+            ag.targets.drain()
+        return {"made": ag.targets.made, "live": len(ag.targets)}
 
     def load_other(self, refs: List[Any], fill: float) -> bool:
         """rdt.get into a second set of parameters (made on first use, dropped by drop_other)."""

@@ -179,7 +179,7 @@ def test_auto_prefers_cuda_ipc_on_one_node(shared_gpu):
     assert info["path"] == "cuda_ipc" and info["sum"] == 1.5 * N
 
 
-@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'rdt[nixl]'")
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'")
 def test_nixl_vram_between_actors_on_one_gpu(shared_gpu):
     a, b = shared_gpu
     info = ray.get(b.describe.remote(a.make_nixl.remote(N, 4.0)), timeout=120)
@@ -196,7 +196,8 @@ def test_ray_get_of_gpu_object_on_the_driver(shared_gpu):
 
 
 @pytest.mark.parametrize("method", ["slow_ipc", "slow_auto", "slow_store", pytest.param(
-    "slow_nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'rdt[nixl]'"))])
+    "slow_nixl", marks=pytest.mark.skipif(not HAS_NIXL,
+                                          reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"))])
 def test_kernels_pending_at_return_are_done_before_anyone_reads(shared_gpu, method):
     """Stream discipline (rdt/_ready): the producer's pending write lands before a consumer or the driver reads, the
     second time too (the same storage's cached IPC share / NIXL registration carries no event of its own)."""
@@ -234,7 +235,7 @@ def two_gpus(ray_cluster):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
-@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'ray-direct-transport[gpu]'")
 def test_nccl_collectives(two_gpus):
     a, b, _ = two_gpus
     r0, r1 = ray.get([a.run_collectives.remote("nccl-test", 0, 2), b.run_collectives.remote("nccl-test", 1, 2)],
@@ -252,7 +253,7 @@ def test_nccl_collectives(two_gpus):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
-@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'ray-direct-transport[gpu]'")
 def test_nccl_object_transfer(two_gpus):
     a, b, _ = two_gpus
     info = ray.get(b.describe.remote(a.make_nccl.remote(N, 6.0)), timeout=120)
@@ -261,7 +262,7 @@ def test_nccl_object_transfer(two_gpus):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
-@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'ray-direct-transport[gpu]'")
 def test_nccl_timeout_aborts_instead_of_hanging(ray_cluster):
     a, b = (GpuNode.options(num_gpus=1).remote() for _ in range(2))
     group = rdt_transports.create_collective_group([a, b], backend="nccl", group_name="nccl-timeout", timeout=120)
@@ -311,7 +312,7 @@ def _nccl_both_ways(name: str) -> dict:
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(N_GPUS < 2, reason=f"needs two CUDA GPUs, found {N_GPUS}")
-@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'rdt[gpu]'")
+@pytest.mark.skipif(not HAS_CUPY, reason="the nccl backend needs cupy: pip install 'ray-direct-transport[gpu]'")
 def test_nccl_p2p_both_ways_from_two_threads(two_gpus):
     """Issue 13 on the real NCCL backend: matching is by (peer, tag) whatever thread posts first."""
     a, b, _ = two_gpus

@@ -72,7 +72,7 @@ def test_nccl_backend_unavailable_before_rendezvous():
 
     with pytest.raises(BackendUnavailableError) as ei:
         check_available()
-    assert "rdt[gpu]" in str(ei.value) and "cupy" in str(ei.value) or "CUDA" in str(ei.value)
+    assert "ray-direct-transport[gpu]" in str(ei.value) and "cupy" in str(ei.value) or "CUDA" in str(ei.value)
 
     class Spy:
         calls = []
@@ -171,6 +171,20 @@ def test_explicit_cuda_ipc_checks_before_anything_moves(monkeypatch):
         _consumer.choose(meta, _site(same_node=False))
 
 
+def test_nixl_vram_object_reaches_a_consumer_without_cuda_through_host_memory(monkeypatch):
+    """A GPU run (2026-11-27, H100) saw NIXL's READ of a producer's VRAM fail in a consumer with
+    CUDA_VISIBLE_DEVICES="": such a consumer takes the fallback (host memory; tensors arrive on the CPU), for an
+    explicit "nixl" object and under "auto"; a consumer with CUDA still READs over NIXL."""
+    monkeypatch.setattr(nixl_agent, "available", lambda: True)
+    monkeypatch.setattr(_cuda_ipc, "visible_devices", lambda: {})
+    explicit = _meta(nixl=True, transport="nixl")
+    assert _consumer.choose(explicit, _site(cuda=None)) == "object_store"
+    assert _consumer.choose(explicit, _site(cuda=None, in_actor=False)) == "object_store"
+    assert _consumer.choose(_meta(nixl=True), _site(cuda=None)) == "object_store"
+    assert _consumer.choose(explicit, _site()) == "nixl"
+    assert _consumer.choose(_meta("cpu", nixl=True, transport="nixl"), _site(cuda=None)) == "nixl"  # DRAM: NIXL
+
+
 # ------------------------------------------------------------------------------------------------ metadata
 def test_cuda_ipc_metadata_encoding():
     info = _ipc_info(map_=True)
@@ -255,4 +269,23 @@ def test_create_nccl_group_on_cpu_fails_fast(cpu_nodes):
     assert "rank 0" in msg and "rank 1" in msg and "pip install" in msg
     assert ray.get([a.groups.remote() for a in cpu_nodes]) == [[], []]  # nobody joined anything
     name, text = ray.get(cpu_nodes[0].join_nccl.remote(), timeout=30)
-    assert name == "BackendUnavailableError" and "rdt[gpu]" in text
+    assert name == "BackendUnavailableError" and "ray-direct-transport[gpu]" in text
+
+
+def test_create_group_never_waits_past_its_timeout(cpu_nodes):
+    """A member Ray cannot place (its resources do not exist) answers nothing: create_collective_group fails at its
+    timeout naming that member, in the preflight (nccl) and in the join (gloo), instead of timeout + 10 s per phase
+    (the first GPU run waited ~60 s for timeout=20)."""
+    never = CpuNode.options(resources={"rdt_no_such_resource": 1}).remote()
+    try:
+        for backend in ("nccl", "gloo"):
+            t0 = time.monotonic()
+            with pytest.raises(rdt_transports.GroupError) as ei:
+                rdt_transports.create_collective_group([cpu_nodes[0], never], backend=backend,
+                                                       group_name=f"never-{backend}", timeout=3)
+            took = time.monotonic() - t0
+            assert took < 3 + 3.0, (backend, took)
+            assert never._actor_id.hex() in str(ei.value) and "rank 1" in str(ei.value), str(ei.value)
+    finally:
+        ray.kill(never)
+    ray.get(cpu_nodes[0].groups.remote(), timeout=30)  # the placed member is still usable

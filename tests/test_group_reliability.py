@@ -305,9 +305,9 @@ def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
 def _backend_param(backend: str) -> Any:
     marks = []
     if backend == "nixl" and not HAS_NIXL:
-        marks.append(pytest.mark.skip(reason="nixl is not installed (pip install 'rdt[nixl]')"))
+        marks.append(pytest.mark.skip(reason="nixl is not installed (pip install 'ray-direct-transport[nixl]')"))
     if backend == "ucx" and not HAS_UCXX:
-        marks.append(pytest.mark.skip(reason="ucxx is not installed (pip install 'rdt[ucx]')"))
+        marks.append(pytest.mark.skip(reason="ucxx is not installed (pip install 'ray-direct-transport[ucx]')"))
     return pytest.param(backend, marks=marks, id=backend)
 
 
@@ -435,7 +435,7 @@ def timed_recv(name: str, src: int, timeout: float) -> None:
     rt.recv(torch.zeros(4), src, name, timeout=timeout)
 
 
-@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (pip install 'rdt[nixl]')")
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (pip install 'ray-direct-transport[nixl]')")
 def test_nixl_peer_of_a_timed_out_member_fails_fast(ray_cluster) -> None:
     """Rank 0's recv times out; rank 1, blocked in a recv with a 30 s timeout, fails within about a second after."""
     a, b = _peers(2)

@@ -28,7 +28,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("rdt.transports.group", "rdt.transports.shm", "rdt.transports.nixl", "rdt.transports.cuda_ipc",
      "rdt.transports.object_store", "rdt.transports.inline"),  # one folder (or file) per transport
     ("=rdt.transports", "rdt.transports.base", "rdt.transports.receive", "rdt.transports.recv_buffers",
-     "rdt.transports.storage_cache"),  # the registry, the contract and the landing helpers
+     "rdt.transports.storage_cache", "rdt.transports.busy_targets"),  # the registry, the contract, landing helpers
     ("rdt._control",),  # the control channel
     ("rdt._objects", "rdt._ray"),  # the object model, the Ray seam
     ("rdt.errors",),
@@ -40,14 +40,15 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("rdt_transports.backends",),
     ("rdt_transports._rendezvous", "rdt_transports.types", "rdt_transports._metrics"),
     ("rdt_transports.errors", "rdt_transports._lifecycle", "rdt_transports._proc", "rdt_transports._cma",
-     "rdt_transports._memcopy", "rdt_transports._spin"),  # process-independent helpers
+     "rdt_transports._memcopy", "rdt_transports._spin",
+     "rdt_transports._distribution"),  # process-independent helpers
 )
 
 # What a transport may import from rdt besides its own folder: the contract and landing helpers, the object model,
 # the control channel, the Ray seam and the errors (never the process context, a role, the API, the registry or
 # another transport).
 TRANSPORT_MAY_IMPORT = ("rdt.transports.base", "rdt.transports.receive", "rdt.transports.recv_buffers",
-                        "rdt.transports.storage_cache", "rdt._objects", "rdt._control", "rdt._ray", "rdt.errors")
+                        "rdt.transports.storage_cache", "rdt.transports.busy_targets", "rdt._objects", "rdt._control", "rdt._ray", "rdt.errors")
 
 # The private rdt_transports modules rdt may use besides rdt_transports' public API (modules without a leading
 # underscore): threads and exit/fork hooks, process liveness and owner locks, GIL-free copies, process_vm_readv.

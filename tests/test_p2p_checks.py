@@ -29,9 +29,9 @@ LARGE = (4 << 20, "float32")  # 16 MiB: the sender learns of a mismatch at once
 
 def _require(backend: str) -> None:
     if backend == "nixl" and not HAS_NIXL:
-        pytest.skip("nixl is not installed (pip install 'rdt[nixl]')")
+        pytest.skip("nixl is not installed (pip install 'ray-direct-transport[nixl]')")
     if backend == "ucx" and not HAS_UCXX:
-        pytest.skip("ucxx is not installed (pip install 'rdt[ucx]')")
+        pytest.skip("ucxx is not installed (pip install 'ray-direct-transport[ucx]')")
 
 
 @pytest.fixture(scope="module")

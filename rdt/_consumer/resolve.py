@@ -24,7 +24,8 @@ from .._objects.flatten import unflatten
 from .._objects.meta import ObjectMeta
 from .._control.peer import died, freed, probe, unreachable
 from .._ray.runtime import called_by_ray_get, in_actor, node_id, task_id
-from ..errors import NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError, UnsupportedError
+from ..errors import (IntoBusyError, NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError,
+                      UnsupportedError)
 from ..transports import Fetched, SetupFailed, Site, Transport
 from ..transports import receive
 
@@ -74,9 +75,11 @@ def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
     """Rebuild the value with its tensor leaves being ``into``'s tensors, filled with the object's bytes.
 
     Everything is checked before a byte moves; transports that receive into given buffers land the bytes straight
-    in the targets, the rest (and cross-device or shared-storage leaves) are copied in.
+    in the targets, the rest (and cross-device or shared-storage leaves) are copied in. Nothing moves either while
+    an earlier failed fetch may still write into the targets (:func:`_targets_free`).
     """
     value, tensors, _paths = _into.targets_for(meta, into)
+    timeout = _targets_free(ctx, meta, tensors, timeout)
     if ctx.is_me(meta.producer):
         entry = ctx.table.get(meta.obj_id)
         leaves = entry.flat.leaves if entry is not None else ctx.table.get_weak(meta.obj_id)
@@ -90,6 +93,24 @@ def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
     _into.fill(meta, fetched.buffers, tensors, plan)
     ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
     return value
+
+
+def _targets_free(ctx: Any, meta: ObjectMeta, tensors: List[List[torch.Tensor]], timeout: float) -> float:
+    """Wait, at most ``timeout``, until no earlier fetch that failed may still write into the targets (a timed-out
+    NIXL READ lands when it ends: otherwise it would overwrite this fetch's bytes); the time left. Raises
+    IntoBusyError naming what still writes into them."""
+    start = time.monotonic()
+    holds = ctx.busy_targets.wait_free((t for ts in tensors for t in ts), timeout)
+    if not holds:
+        return max(timeout - (time.monotonic() - start), 1e-3)
+    first = holds[0]
+    more = f" (and {len(holds) - 1} more)" if len(holds) > 1 else ""
+    raise IntoBusyError(
+        f"{meta.describe()}: the into= targets are still being written by {first.what}{more}, which timed out "
+        f"{time.monotonic() - first.since:.1f}s ago and is still in flight (it cannot be cancelled); waited "
+        f"{time.monotonic() - start:.1f}s, nothing was moved", object_id=meta.id_hex,
+        hint="fetch into other tensors (or without into=) meanwhile, or retry later: that READ ends when its producer "
+             "serves it or dies (kill a stuck producer and it fails at once, leaving the targets free)")
 
 
 _NOWHERE = Site(same_node=False, in_actor=False, task_argument=False)  # for self-contained objects: no lookups

@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Optional, Tuple
 
-from rdt_transports._proc import pid_alive
+from rdt_transports._proc import process_alive
 
 from . import wire as _control
 from .._objects.meta import ObjectMeta
@@ -17,9 +17,10 @@ from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
 
 
 def probe(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> Tuple[str, str]:
-    """("alive" | "dead" | "silent", why): "dead" only on proof of death (the pid is gone on this node, or nothing
-    listens on its control port); "silent" when no answer came (a stopped process, or its node unreachable)."""
-    if meta.producer.node_id == node_id() and not pid_alive(meta.producer.pid):
+    """("alive" | "dead" | "silent", why): "dead" only on proof of death (the process is gone on this node: its pid
+    no longer names it, see ``_proc``; or nothing listens on its control port); "silent" when no answer came (a
+    stopped process, or its node unreachable)."""
+    if meta.producer.node_id == node_id() and not process_alive(meta.producer.pid, meta.producer.started):
         return "dead", f"pid {meta.producer.pid} is gone"
     why = "no answer"
     for _ in range(2):  # a pooled connection that breaks proves nothing: the second try opens a fresh one

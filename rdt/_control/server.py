@@ -144,7 +144,7 @@ class ControlServer:
             now = time.monotonic()
             if len(self._conns) >= self.max_conns and not self._evict_one():
                 self._count_rejected()
-                sock.close()
+                _shut(sock)
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -228,13 +228,14 @@ class ControlServer:
         self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
+        """Forget and close a connection; one a worker or stream thread is using wakes there with an error."""
         self._conns.pop(conn.sock, None)
         if not conn.busy:
             try:
                 self._sel.unregister(conn.sock)
             except (KeyError, ValueError):
                 pass
-        conn.sock.close()
+        _shut(conn.sock)
 
     def _drain_wakeups(self) -> None:
         try:
@@ -281,7 +282,7 @@ class ControlServer:
     def _hand_back(self, conn: _Conn, keep: bool) -> None:
         """Return a connection to the selector thread (closed unless ``keep``)."""
         if not keep:
-            conn.sock.close()
+            _shut(conn.sock)
         self._returned.put(conn)
         try:
             self._wake_w.send(b"\0")
@@ -313,7 +314,11 @@ class ControlServer:
         return None
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the selector thread (bounded join), close every connection and the worker pool."""
+        """Stop the selector thread (bounded join), close every connection and the worker pool.
+
+        Connections are shut down, not only closed: a stream thread blocked in ``sendall`` to a consumer that
+        stopped reading wakes at once (a plain close does not wake it, and the interpreter joins pool threads at
+        exit, for up to the stream's deadline)."""
         self._stop.set()
         try:
             self._wake_w.send(b"\0")
@@ -321,6 +326,8 @@ class ControlServer:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        for conn in list(self._conns.values()):  # the selector thread shut them down as it ended, unless stuck
+            _shut(conn.sock)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not on Linux)
         except OSError:
@@ -335,3 +342,16 @@ class ControlServer:
             self._sel.close()
             for s in (self._wake_r, self._wake_w):
                 s.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down, then close it: a call blocked on it in another thread returns with an error (a plain
+    close leaves a blocked ``sendall`` waiting for its timeout). Never raises."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or already closed
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass

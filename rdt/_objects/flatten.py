@@ -55,11 +55,6 @@ class Flattened:
         buf.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         return buf
 
-    @buffers.setter
-    def buffers(self, value: List[torch.Tensor]) -> None:
-        self._buffers = list(value)
-        self._spans = [(b, b.storage_offset(), b.storage_offset() + b.numel()) for b in self._buffers]
-
     @property
     def spans(self) -> List[Tuple[torch.Tensor, int, int]]:
         """Per buffer: (a tensor on its storage, first byte, end byte): one buffer per storage, no view made."""
@@ -71,6 +66,16 @@ class Flattened:
         if self._ranges is not None:
             return self._ranges
         return [(owner.untyped_storage().data_ptr() + lo, hi - lo) for owner, lo, hi in self._spans]
+
+    def cloned(self) -> "Flattened":
+        """The same object over fresh copies of its buffers (``snapshot=True``): its spans, addresses, views and
+        leaves are all made from the copies. A new object rather than a change to this one, so that no state
+        derived from the originals' addresses can survive (buffers are never reassigned)."""
+        copies = [self.view(i).clone() for i in range(len(self._spans))]
+        flat = Flattened(self.skeleton, self.specs, [(c, 0, c.numel()) for c in copies], self.specs.rebuild(copies),
+                         self.table, [(c.data_ptr(), c.numel()) for c in copies])
+        flat._buffers = copies
+        return flat
 
     @property
     def nbytes(self) -> int:

@@ -26,6 +26,7 @@ class ProducerInfo:
     actor: Any  # the producer's ActorHandle (object-store fallback), or None
     actor_id: str
     missing: FrozenSet[str] = frozenset()  # transports that cannot work in the producer (NIXL not installed)
+    started: Optional[int] = None  # the producer's start time: with the pid, names the process for good (_proc)
 
 
 @dataclass(frozen=True)

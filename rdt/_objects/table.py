@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -9,7 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -50,7 +51,8 @@ class Entry:
     exports: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)  # per-object producer options (e.g. ipc_map)
     ready: Optional[Any] = None  # _ready.Ready: events recorded at return, waited on before the bytes are read
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while an export is attached on demand
+    freed: bool = False  # set before its exports are released; no export is attached from then on
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +173,33 @@ class ObjectTable:
     def free(self, obj_id: bytes) -> None:
         entry = self.pop(obj_id)
         if entry is not None:
-            self._release(entry)
+            self._free(entry)
+
+    def _free(self, entry: Entry) -> None:
+        """Release the entry's exports now, or leave that to the request attaching one (never waits for it: this
+        runs on Ray's callback thread)."""
+        entry.freed = True
+        if entry.lock.acquire(blocking=False):
+            try:
+                self._release(entry)
+            finally:
+                entry.lock.release()
+
+    @contextlib.contextmanager
+    def exporting(self, obj_id: bytes) -> Iterator[Optional[Entry]]:
+        """The live entry, held while a request attaches an export to it on demand; None if it was freed. An export
+        attached while the object was being freed is released on the way out (by whichever side comes second)."""
+        entry = self.get(obj_id)
+        if entry is None:
+            yield None
+            return
+        try:
+            with entry.lock:
+                yield None if entry.freed else entry
+        finally:
+            if entry.freed:  # freed meanwhile: its release found the lock taken and left the exports to us
+                with entry.lock:
+                    self._release(entry)
 
     def __len__(self) -> int:
         with self._lock:
@@ -191,4 +219,4 @@ class ObjectTable:
             self._entries.clear()
             self._bytes = 0
         for e in entries:
-            self._release(e)
+            self._free(e)

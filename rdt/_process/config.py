@@ -28,8 +28,9 @@ class RdtConfig:
     shm_cma: bool = True
     # Where the producer's tensors already live in shared memory (torch's share_memory_()), consumers that may read
     # it directly map those storages instead, keep them mapped across syncs and copy from them on every core
-    # (RDT_SHM_MAP=0: a direct read as above). Needs shm_cma.
+    # (RDT_SHM_MAP=0: a direct read as above). Needs shm_cma. At most shm_map_bytes (RDT_SHM_MAP_BYTES) stay mapped.
     shm_map: bool = True
+    shm_map_bytes: int = 8 << 30
     # Fan-out over gloo: consumers of one object that ask while another still receives are chained behind it, so the
     # producer sends the object about once (RDT_RELAY=0: every consumer is served by the producer). Objects under
     # relay_min_bytes (RDT_RELAY_MIN_BYTES) are always served directly. A chained consumer whose source sent nothing
@@ -47,6 +48,7 @@ class RdtConfig:
             pool_ttl=_env_float("RDT_POOL_TTL_S", cls.pool_ttl),
             shm_cma=os.environ.get("RDT_SHM_CMA", "1") != "0",
             shm_map=os.environ.get("RDT_SHM_MAP", "1") != "0",
+            shm_map_bytes=int(_env_float("RDT_SHM_MAP_BYTES", cls.shm_map_bytes)),
             relay=os.environ.get("RDT_RELAY", "1") != "0",
             relay_min_bytes=int(_env_float("RDT_RELAY_MIN_BYTES", cls.relay_min_bytes)),
             relay_stall_timeout=_env_float("RDT_RELAY_STALL_S", cls.relay_stall_timeout),

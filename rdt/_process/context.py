@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ import ray
 
 import rdt_transports
 from rdt_transports import _lifecycle
+from rdt_transports._proc import identity
 
 from .. import transports
 from .._control import wire as _control
@@ -30,6 +30,7 @@ from .._objects import stream_ready as _ready
 from .._objects.meta import GroupRef, ProducerInfo
 from .._objects.table import Entry, ObjectTable
 from ..transports.base import TransportState
+from ..transports.busy_targets import BusyTargets
 from ..transports.recv_buffers import BufferPool
 from .config import RdtConfig
 from .stats import Stats, local_stats, publish, unpublish
@@ -63,6 +64,8 @@ class RdtContext:
         self._transport_states: Dict[str, Any] = {}
         # How objects' ready events are made (CUDA events on the stream current at return; see stream_ready)
         self.stream_discipline = _ready.Discipline()
+        # into= target bytes that a failed transfer may still write (a parked NIXL READ); rdt.get(into=) waits
+        self.busy_targets = BusyTargets()
         self.fetch_cache: Dict[Any, Any] = {}
         self.deferring = threading.local()  # .on: ray.get in this thread returns ObjectMeta unresolved (rdt.get)
         self.batching = threading.local()  # .batch: Ray deserializes several objects here; fetches start at once
@@ -112,8 +115,9 @@ class RdtContext:
         host = ray.util.get_node_ip_address()
         self._server = ControlServer(host, self._key_for, self.control_handlers())
         missing = frozenset(t.name for t in transports.known() if not t.available())
-        return ProducerInfo(self.instance, os.getpid(), ctx.get_node_id(), self._server.address,
-                            self.process_key, actor, actor_id, missing)
+        pid, started = identity()
+        return ProducerInfo(self.instance, pid, ctx.get_node_id(), self._server.address, self.process_key, actor,
+                            actor_id, missing, started)
 
     def control_rejected(self) -> int:
         """Connections and frames this process's control server refused (0 before it started)."""

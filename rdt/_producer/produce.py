@@ -28,9 +28,8 @@ def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, tim
     flat = flatten(value)
     if not flat.specs:
         return value  # nothing to keep out of band
-    if snapshot:
-        flat.buffers = [b.clone() for b in flat.buffers]
-        flat.leaves = flat.specs.rebuild(flat.buffers)
+    if snapshot:  # before anything reads an address: every export describes the copies
+        flat = flat.cloned()
     chosen = None if transport == "auto" else transports.get(transport)
     if chosen is not None:
         check_devices(flat, chosen.capabilities)

@@ -21,7 +21,7 @@ What a transport keeps per process (an agent, pools, a chain table) is a :class:
 under the transport's name; the context trims it periodically and shuts it down through its hooks.
 
 A transport imports only this module and the landing helpers beside it (``receive``, ``recv_buffers``,
-``storage_cache``), the object model (``rdt._objects``), the control channel (``rdt._control``), the Ray seam
+``storage_cache``, ``busy_targets``), the object model (``rdt._objects``), the control channel (``rdt._control``), the Ray seam
 (``rdt._ray``), ``rdt.errors`` and ``rdt_transports``: never the process context (it sees it through
 :class:`Context`), a role, the API, the registry or another transport (tests/test_layering.py holds this). A
 transport that cannot set up where it runs (no NIXL agent, an IPC handle that does not open, no room for a segment)
@@ -62,6 +62,7 @@ class Context(Protocol):
     buffers: Any  # the BufferPool of CPU receive buffers (see receive.landing)
     waiters: ThreadPoolExecutor  # waits on a fetch's receives
     send_waiters: ThreadPoolExecutor  # waits on a producer's posted sends
+    busy_targets: Any  # the BusyTargets: into= target bytes a failed transfer may still write (see busy_targets)
 
     def transport_state(self, name: str, factory: Callable[[], Any]) -> Any:
         """Transport ``name``'s per-process state, made by ``factory`` on first use."""

@@ -32,7 +32,8 @@ def backend_class(name: str) -> Type[Backend]:
         mod = importlib.import_module(module)
     except ImportError as e:
         raise BackendUnavailableError(
-            f"backend {name!r} cannot be imported: {e}", hint=f"install its extra: pip install 'rdt[{name}]'"
+            f"backend {name!r} cannot be imported: {e}",
+            hint=f"install its extra: pip install 'ray-direct-transport[{name}]'",
         ) from e
     return getattr(mod, cls)
 

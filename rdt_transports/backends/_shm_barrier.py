@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Set
 
-from .._proc import hold_owner_lock, pid_alive
+from .._proc import hold_owner_lock, process_alive
 from ..errors import CollectiveTimeoutError, GroupDestroyedError, PeerUnavailableError
 
 SLICE_S = 0.05  # how often a blocked wait looks at the deadline, abort, failed and dead peers
@@ -127,6 +127,7 @@ class ShmBarrier:
         self._post: Dict[int, int] = {}  # peer -> the peer's semaphore I post
         self._peer_failed: Dict[int, int] = {}
         self._pids: List[int] = []
+        self._starts: List[Optional[int]] = []  # with the pids: each rank's process for good (see _proc)
         self._my_failed: Optional[int] = None
         self._got: Optional[Set[int]] = None  # peers whose token for the current barrier I hold
         self.count = 0  # barriers entered
@@ -145,9 +146,11 @@ class ShmBarrier:
         self._handles.append(handle)
         return handle
 
-    def connect(self, pids: List[int]) -> None:
-        """Open every peer's semaphores; ``pids[r]`` is rank r's pid, published after it created them."""
+    def connect(self, pids: List[int], starts: Optional[List[Optional[int]]] = None) -> None:
+        """Open every peer's semaphores; ``pids[r]`` is rank r's pid, published after it created them, with its
+        start time ``starts[r]`` (a peer is dead once its pid no longer names that process)."""
         self._pids = list(pids)
+        self._starts = list(starts) if starts is not None else [None] * len(self._pids)
         for j in self._peers:
             handle = _open(sem_name(pids[j], self._secret, f"{self._uid}/barrier/{j}/{self._rank}"), create=False)
             self._handles.append(handle)
@@ -250,7 +253,7 @@ class ShmBarrier:
             self.fail()
             raise GroupDestroyedError(f"{self._op} ended: the group was aborted", op=self._op,
                                       hint="destroy the group and create it again")
-        dead = [j for j in self._peers if not pid_alive(self._pids[j])]
+        dead = [j for j in self._peers if not process_alive(self._pids[j], self._starts[j])]
         if dead:
             self.fail()
             raise PeerUnavailableError(

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from .._proc import pid_alive, ray_node_id
+from .._proc import identity, process_alive, ray_node_id
 from .._rendezvous import RayKVStore
 from ..errors import (
     CollectiveTimeoutError,
@@ -255,17 +255,19 @@ class GlooBackend(Backend):
                 node = ""  # an empty node tells every rank to keep Gloo's allreduce
         try:
             rdv = config.rendezvous
-            rdv.put(f"gloo-node/{config.rank}", f"{node}|{os.getpid()}".encode())
+            pid, started = identity()
+            rdv.put(f"gloo-node/{config.rank}", f"{node}|{pid}|{started}".encode())
             peers = [rdv.get(f"gloo-node/{r}", config.timeout, what=f"rank {r}'s node").decode().split("|")
                      for r in range(config.world_size)]
-            if barrier is None or any(n != node for n, _ in peers):
+            if barrier is None or any(len(p) != 3 or p[0] != node or not p[2].isdigit() for p in peers):
                 if barrier is not None:
                     barrier.close()
                 return None
-            pids = [int(p) for _, p in peers]
+            pids = [int(p) for _, p, _ in peers]
+            starts: List[Optional[int]] = [int(st) for _, _, st in peers]
             try:  # a private /dev/shm or pid namespace per rank (containers) shows here: all fall back to Gloo
-                barrier.connect(pids)
-                ok = all(pid_alive(p) for p in pids)
+                barrier.connect(pids, starts)
+                ok = all(process_alive(p, st) for p, st in zip(pids, starts))
             except OSError as e:
                 logger.warning("rdt_transports: group=%s rank=%d: no shared-memory allreduce (%s)",
                                config.group_name, config.rank, e)

@@ -12,9 +12,9 @@ Why cupy's bindings and not torch's ``ProcessGroupNCCL``:
 * Point-to-point communicators are our own (see below), so their ordering can be made deadlock-free.
   ``ProcessGroupNCCL`` p2p has no tags and puts both directions of a pair on one communicator.
 
-The cost is an extra package: ``pip install 'rdt[gpu]'`` (cupy-cuda13x, the cu13 build that matches the
-PyPI CUDA torch). cupy and NCCL are imported lazily, only when a group is created. A missing package, a missing
-libnccl or no visible CUDA device raises :class:`BackendUnavailableError` with the fix, before any peer or
+The cost is an extra package: ``pip install 'ray-direct-transport[gpu]'`` (cupy-cuda13x, the cu13 build that
+matches the PyPI CUDA torch). cupy and NCCL are imported lazily, only when a group is created. A missing package, a
+missing libnccl or no visible CUDA device raises :class:`BackendUnavailableError` with the fix, before any peer or
 rendezvous key is touched (:func:`check_available`). ``create_collective_group`` runs that check on every
 actor before rendezvous.
 
@@ -48,7 +48,9 @@ Communicators and ordering (no deadlock when two actors send to each other at on
   CPU until the peer arrives. All NCCL calls therefore run on the communicator's own thread, and callers
   only wait on Python events and CUDA events under the deadline. On timeout, or when
   ``ncclCommGetAsyncError`` reports a failure (for example a dead peer), the communicator is aborted and
-  :class:`CollectiveTimeoutError` or :class:`PeerUnavailableError` is raised. The group then marks itself
+  :class:`CollectiveTimeoutError` or :class:`PeerUnavailableError` is raised at once. ``ncclCommAbort`` runs on a
+  thread of its own: it waits for the device to run what was queued before the NCCL kernel (a long kernel on the
+  caller's stream), which the caller's deadline must not wait for. The group then marks itself
   ERRORED. ``destroy`` runs on the communicator's thread too. Limit: cupy binds only the blocking
   ``ncclCommInitRank`` (no ``ncclCommInitRankConfig`` with ``blocking=0``), so an abort during init cannot
   interrupt it: the waiter returns at its deadline and the communicator is aborted as soon as init returns
@@ -82,6 +84,7 @@ from ..errors import (
     GroupDestroyedError,
     InvalidArgumentError,
     PeerUnavailableError,
+    SharedDeviceError,
 )
 from ..types import COLLECTIVE_OPS, Capabilities, ReduceOp
 from ._matching import Matcher, OrderedWire, WireOp
@@ -90,8 +93,8 @@ from .base import Backend, BackendConfig, NativeCollectives, Work
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "install the GPU extra on a machine with an NVIDIA GPU: pip install 'rdt[gpu]' (cupy-cuda13x, which loads "
-    "the libnccl that a CUDA build of torch ships in nvidia-nccl-cu13), and give the actor a GPU "
+    "install the GPU extra on a machine with an NVIDIA GPU: pip install 'ray-direct-transport[gpu]' (cupy-cuda13x, "
+    "which loads the libnccl that a CUDA build of torch ships in nvidia-nccl-cu13), and give the actor a GPU "
     "(@ray.remote(num_gpus=1)); on CPU-only machines use backend='gloo'"
 )
 _UID_BYTES = 128
@@ -132,6 +135,37 @@ def _import_nccl() -> Tuple[Any, Any]:
 def check_available() -> None:
     """Raise BackendUnavailableError (with the fix) unless cupy, libnccl and a CUDA device are usable here."""
     _import_nccl()
+
+
+def device_identity() -> Optional[str]:
+    """The GPU this process's rank would use, as "GPU <uuid> on node <id>" (PCI bus id where torch has no UUID);
+    None when it cannot be told. Two ranks of one communicator on one GPU make NCCL hang or fail, so the group
+    compares these before any NCCL call."""
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None and str(uuid):
+        gpu = f"GPU {uuid}"
+    elif getattr(props, "pci_bus_id", None) is not None:
+        gpu = (f"GPU at PCI {getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:"
+               f"{getattr(props, 'pci_device_id', 0):02x}")
+    else:
+        return None
+    return f"{gpu} on node {_node_id()}"
+
+
+def _node_id() -> str:
+    """Ray's node id where Ray runs here, else the host name."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - fall back to the host name
+        pass
+    import socket
+
+    return socket.gethostname()
 
 
 def _nccl_dtype(nccl: Any, dtype: torch.dtype) -> int:
@@ -217,6 +251,8 @@ class _Comm:
         self.error: Optional[BaseException] = None
         self.aborted = False
         self.failure: Optional[BaseException] = None  # why it was aborted, when the matcher knows (a lost peer)
+        self._claim_lock = threading.Lock()  # one release (abort or destroy) per communicator, never two
+        self._claimed = False
         self._queue: "collections.deque[Optional[_Op]]" = collections.deque()
         self._cv = threading.Condition()
         self._uid_source = uid_source
@@ -231,7 +267,9 @@ class _Comm:
             uid = self._uid_source()
             self.comm = _new_communicator(nccl, self.world, uid, self.rank)
             if self.aborted:  # abort() came while ncclCommInitRank blocked: release the communicator now
-                self.comm.abort()
+                claimed = self._claim()
+                if claimed is not None:
+                    claimed.abort()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             self.error = e
             self.ready.set()
@@ -243,10 +281,11 @@ class _Comm:
                     self._cv.wait()
                 op = self._queue.popleft()
             if op is None:  # close(): destroy here, where every other call on the communicator was made
-                if self.comm is not None and not self.aborted:
+                claimed = None if self.aborted else self._claim()
+                if claimed is not None:
                     self.aborted = True
                     try:
-                        self.comm.destroy()
+                        claimed.destroy()
                     except Exception:  # noqa: BLE001 - best effort at shutdown
                         pass
                 return
@@ -276,27 +315,40 @@ class _Comm:
             self._cv.notify()
         return op
 
+    def _claim(self) -> Any:
+        """The communicator, to the one caller that will release it (abort or destroy); None to every other."""
+        with self._claim_lock:
+            if self._claimed or self.comm is None:
+                return None
+            self._claimed = True
+            return self.comm
+
     def async_error(self) -> Optional[str]:
-        comm = self.comm
-        if comm is None or self.aborted:
-            return None
-        try:
-            comm.check_async_error()
-        except Exception as e:  # noqa: BLE001 - NcclError naming the failure
-            return str(e)
+        # Under the claim lock: ncclCommGetAsyncError never runs on a communicator being aborted or destroyed.
+        with self._claim_lock:
+            comm = self.comm
+            if comm is None or self.aborted or self._claimed:
+                return None
+            try:
+                comm.check_async_error()
+            except Exception as e:  # noqa: BLE001 - NcclError naming the failure
+                return str(e)
         return None
 
     def abort(self) -> None:
-        """Non-blocking: make the stuck kernels of this communicator exit (ncclCommAbort)."""
+        """Non-blocking: mark the communicator aborted and run ncclCommAbort on a thread of its own.
+
+        ncclCommAbort frees the communicator's device memory and synchronises its streams, so it returns only once
+        every kernel queued before the communicator's (a long kernel on the caller's stream that the NCCL kernel
+        waits behind) has run; the caller's deadline must not wait for that. The NCCL kernel itself sees the abort
+        flag and exits as soon as it starts.
+        """
         if self.aborted:
             return
         self.aborted = True
-        comm = self.comm
+        comm = self._claim()
         if comm is not None:
-            try:
-                comm.abort()
-            except Exception:  # noqa: BLE001 - best effort by contract
-                pass
+            _lifecycle.spawn(_abort_quietly, f"rdt-nccl-abort-{self.label}", comm)
 
     def close(self) -> None:
         """Stop the thread; an idle communicator is destroyed on it, a busy one is aborted first (never blocks)."""
@@ -306,6 +358,14 @@ class _Comm:
             self._cv.notify()
         if not idle or not self.ready.is_set():  # ops still queued, or init still running: abort them
             self.abort()
+
+
+def _abort_quietly(comm: Any) -> None:
+    """ncclCommAbort (blocks until the device has run what was queued before it); never raises."""
+    try:
+        comm.abort()
+    except Exception:  # noqa: BLE001 - best effort by contract
+        logger.debug("rdt_transports: ncclCommAbort failed", exc_info=True)
 
 
 class _Prepared:
@@ -410,6 +470,11 @@ class NcclBackend(Backend):
         """Preflight used by create_collective_group/init_collective_group before any rendezvous."""
         check_available()
 
+    @staticmethod
+    def device_identity() -> Optional[str]:
+        """This rank's GPU (create_collective_group refuses two members on one GPU before any NCCL call)."""
+        return device_identity()
+
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
         self._cupy, self._nccl = _import_nccl()  # before any rendezvous key is touched
@@ -418,6 +483,7 @@ class NcclBackend(Backend):
         self._closed = False
         self._aborted = False
         rdv = config.rendezvous
+        self._check_devices(rdv, config)
         if config.rank == 0:
             rdv.put("nccl/world", _encode_uid(self._nccl.get_unique_id()))
 
@@ -445,6 +511,28 @@ class NcclBackend(Backend):
         self._stopper = _lifecycle.at_exit(self.shutdown)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_devices(rdv: Any, config: BackendConfig) -> None:
+        """Every rank publishes its GPU and reads the others' before NCCL is called: two ranks on one GPU raise
+        SharedDeviceError in every rank (a communicator with two ranks on one device hangs or fails in NCCL)."""
+        mine = device_identity() or ""
+        rdv.put(f"nccl/device/{config.rank}", mine.encode())
+        if config.world_size < 2 or not mine:
+            return
+        deadline = time.monotonic() + config.timeout
+        for r in range(config.world_size):
+            if r == config.rank:
+                continue
+            other = rdv.get(f"nccl/device/{r}", max(deadline - time.monotonic(), 1e-3),
+                            what=f"rank {r}'s GPU").decode()
+            if other == mine:
+                raise SharedDeviceError(
+                    f"ranks {min(r, config.rank)} and {max(r, config.rank)} of the NCCL group are both on {mine}",
+                    group=config.group_name, rank=config.rank, op="init",
+                    hint="give each rank its own GPU (@ray.remote(num_gpus=1)); for transfers between actors on "
+                    "one GPU use tensor_transport='cuda_ipc' or 'nixl' instead of an NCCL group",
+                )
+
     def _classify(self, e: BaseException, op: str, peer: Optional[int]) -> Exception:
         if isinstance(e, (CommunicationError, InvalidArgumentError, GroupDestroyedError)):
             return e

@@ -88,7 +88,7 @@ from ..errors import (
     TensorMismatchError,
 )
 from .. import _cma, _spin
-from .._proc import pid_alive, ray_node_id, start_time
+from .._proc import pid_alive, process_alive, ray_node_id, start_time
 from ..types import Capabilities
 from .base import Backend, BackendConfig, Work
 
@@ -972,9 +972,9 @@ class NixlBackend(Backend):
                     f"{work.op} of tag {work.tag} was aborted", **self._ctx(work.peer, work.op),
                     hint="destroy and re-create the group")
             now = time.monotonic()
-            if pid is not None and now >= watch:  # no UCX error handling here: the peer's pid tells its death
+            if pid is not None and now >= watch:  # no UCX error handling here: the peer's process tells its death
                 watch = now + _PEER_WATCH_S
-                if not pid_alive(pid):
+                if not process_alive(pid, self._peer_starts.get(work.peer)):  # a reused pid is not the peer
                     err = PeerUnavailableError(
                         f"rank {work.peer} (pid {pid}, this node) died during {work.op} of tag {work.tag}: "
                         f"{work.phase}", **self._ctx(work.peer, work.op),

@@ -18,16 +18,16 @@ matching is per worker, but ucxx hashes every tag with a random per-endpoint val
 so an unauthenticated endpoint cannot produce messages that match our receives.
 
 Same-node peers (``RDT_UCX_SAME_NODE=0`` turns this off): UCX selects its shared-memory transports (sysv, posix,
-cma) only for endpoints made from a worker address *without* UCX peer error handling (with it, sm is
-"unreachable"; listener endpoints require it). A worker address lets anyone who learns it send to our worker,
-and worker tag matching does not look at the sender, so: the client sends HELLO(rank, pid, nonce, MAC) on a tag
-derived from the group uid and the server's rank; the server checks the MAC, reads the client's worker address
-from the rendezvous (never from the network), connects back and sends CHALLENGE(pid, nonce, MAC over both
-nonces) on a tag derived from the client's nonce; the client checks it and answers RESPONSE(MAC) on a tag derived
-from the server's nonce. Both then derive per-direction keys from the secret and both nonces, and every later
-message of the pair travels on ``blake2b(key, tag)``: a sender without the secret cannot produce a tag that
-matches a control or user receive. Bad MACs, wrong-size hellos and duplicates are counted in
-``stats["rejected_connections"]``. Without UCX error handling the pair watches the peer's process with a pidfd
+cma) only for endpoints made from a worker address *without* UCX peer error handling (with it, sm is "unreachable";
+listener endpoints require it). A worker address lets anyone who learns it send to our worker, and worker tag
+matching does not look at the sender, so: the client sends HELLO(rank, pid, start time, nonce, MAC) on a tag derived
+from the group uid and the server's rank; the server checks the MAC, reads the client's worker address from the
+rendezvous (never from the network), connects back and sends CHALLENGE(pid, start time, nonce, MAC over both nonces)
+on a tag derived from the client's nonce; the client checks it and answers RESPONSE(MAC) on a tag derived from the
+server's nonce. Both then derive per-direction keys from the secret and both nonces, and every later message of the
+pair travels on ``blake2b(key, tag)``: a sender without the secret cannot produce a tag that matches a control or
+user receive. Bad MACs, wrong-size hellos and duplicates are counted in ``stats["rejected_connections"]``. Without
+UCX error handling the pair watches the peer's process (its pid and start time from the handshake) with a pidfd
 (death -> PeerUnavailableError) and sends BYE on abort/shutdown. ``describe()`` / ``transports()`` report per peer
 which path was taken and which transports UCX put on the endpoint's lanes (read with ``ucp_ep_print_info``).
 
@@ -54,7 +54,7 @@ restricts ``UCX_TLS``). Measured on the 2-core CI machine (UCX 1.21, ucxx 0.52; 
 node, medians of 3 runs each): same-node worker-address endpoints get ``sysv+posix+cma``, 4.5-5.1 GB/s at
 128 MiB and 3.9-4.7 GB/s at 16 MiB; listener endpoints (``RDT_UCX_SAME_NODE=0``, as across nodes) get ``tcp``,
 1.6-1.7 GB/s at 128 MiB. A 4 KiB transfer took 0.95-1.45 ms while completions crossed UCX's progress thread,
-ucxx's notifier thread and an event loop; for progress in the waiting thread see docs/benchmarks.md. CUDA
+ucxx's notifier thread and an event loop; with progress in the waiting thread, 76-93 us (docs/benchmarks.md). CUDA
 tensors are passed through ``__cuda_array_interface__``; the current stream is synchronised when an operation is
 posted. The CUDA path has not been tested (no GPU here).
 """
@@ -88,7 +88,7 @@ from ..errors import (
     TensorMismatchError,
 )
 from .. import _lifecycle
-from .._proc import ray_node_id
+from .._proc import Proc, identity, process_alive, ray_node_id
 from ..types import Capabilities
 from ._ucx_ops import CTL as _CTL, P2POp, RecvOp, SendOp
 from ._ucx_progress import AwaitOp, Op, ProgressEngine
@@ -116,8 +116,9 @@ _SPARES_KEPT = 16  # spare receive buffers per size per backend (verdicts: 24 B,
 
 # Same-node handshake over worker-address endpoints (see "Same-node peers" in the module docstring).
 _BYE = 4
-_HELLO = struct.Struct(f"<II{_NONCE}s{_MAC}s")  # client rank, client pid, client nonce, MAC
-_CHALLENGE = struct.Struct(f"<I{_NONCE}s{_MAC}s")  # server pid, server nonce, server MAC
+_HELLO = struct.Struct(f"<IIQ{_NONCE}s{_MAC}s")  # client rank, client pid, its start time, client nonce, MAC
+_CHALLENGE = struct.Struct(f"<IQ{_NONCE}s{_MAC}s")  # server pid, its start time, server nonce, server MAC
+_PROC = struct.Struct("<IQ")  # (pid, start time; 0: unknown) as the handshake MACs cover it
 _SHM_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc"})
 
 # Stable wire codes for dtypes (index + 1); unknown dtypes travel as 0 and are compared by size only.
@@ -168,6 +169,11 @@ def _local_host() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # Ray missing or not able to resolve: single-host fallback
         return "127.0.0.1"
+
+
+def _wire(proc: Proc) -> Tuple[int, int]:
+    """A (pid, start time) as the handshake carries it (an unknown start time as 0)."""
+    return proc[0], proc[1] or 0
 
 
 def _tag64(*parts: bytes) -> int:
@@ -230,7 +236,7 @@ def _import_ucxx() -> Tuple[Any, Any, Any]:
     except Exception as e:  # ImportError, or a missing/broken libucx raising OSError/RuntimeError
         raise BackendUnavailableError(
             f"the ucx backend needs the ucxx package, which cannot be imported: {type(e).__name__}: {e}",
-            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'rdt[ucx]')",
+            hint="pip install ucxx-cu13  (or ucxx-cu12 to match your CUDA; or pip install 'ray-direct-transport[ucx]')",
         ) from e
     global _UCXXTag, _Array, _hash64bits
     from ucxx._lib.arr import Array
@@ -509,9 +515,9 @@ class UcxBackend(Backend):
                     return
                 self._reject(None, f"malformed same-node hello: {type(e).__name__}: {e}")
                 continue
-            client, pid, n_client, mac = _HELLO.unpack(bytes(buf))
+            client, pid, started, n_client, mac = _HELLO.unpack(bytes(buf))
             if not hmac.compare_digest(mac, self._mac(b"h", _RANK.pack(client), _RANK.pack(self.config.rank),
-                                                      _RANK.pack(pid), n_client)):
+                                                      _PROC.pack(pid, started), n_client)):
                 self._reject(None, "same-node hello with a bad MAC (wrong group secret or group incarnation)")
             elif not 0 <= client < self.config.rank:
                 self._reject(None, f"rank {client} may not connect to rank {self.config.rank}")
@@ -519,9 +525,9 @@ class UcxBackend(Backend):
                 self._reject(None, f"duplicate same-node connection from rank {client}")
             else:
                 self._hello_pending.add(client)
-                self._spawn(self._serve_hello(client, pid, n_client))
+                self._spawn(self._serve_hello(client, (pid, started or None), n_client))
 
-    async def _serve_hello(self, client: int, pid: int, n_client: bytes) -> None:
+    async def _serve_hello(self, client: int, proc: Proc, n_client: bytes) -> None:
         """Server side of a same-node handshake: challenge the client on a fresh endpoint to its worker."""
         ep = None
         try:
@@ -535,8 +541,9 @@ class UcxBackend(Backend):
             response = bytearray(_MAC)
             got = asyncio.ensure_future(self._io(ep, response, _tag64(b"resp", n_server), False, True))
             try:
-                mac = self._mac(b"s", n_client, n_server, me, _RANK.pack(client), _RANK.pack(os.getpid()))
-                challenge = _CHALLENGE.pack(os.getpid(), n_server, mac)
+                mine = _wire(identity())
+                mac = self._mac(b"s", n_client, n_server, me, _RANK.pack(client), _PROC.pack(*mine))
+                challenge = _CHALLENGE.pack(*mine, n_server, mac)
                 await asyncio.wait_for(self._io(ep, bytearray(challenge), _tag64(b"chal", n_client), True, True),
                                        self._handshake_timeout)
                 await asyncio.wait_for(got, self._handshake_timeout)
@@ -552,7 +559,7 @@ class UcxBackend(Backend):
                 return
             to_client, from_client = self._pair_keys(client, self.config.rank, n_client, n_server)[::-1]
             state.send_key, state.recv_key = to_client, from_client
-            self._attach(client, state, ep, "worker-address", pid)
+            self._attach(client, state, ep, "worker-address", proc)
         except asyncio.CancelledError:
             if ep is not None:
                 self._close_ep(ep)
@@ -571,16 +578,17 @@ class UcxBackend(Backend):
             challenge = bytearray(_CHALLENGE.size)
             got = asyncio.ensure_future(self._io(ep, challenge, _tag64(b"chal", n_client), False, True))
             try:
-                hello = _HELLO.pack(self.config.rank, os.getpid(), n_client,
-                                    self._mac(b"h", me, them, _RANK.pack(os.getpid()), n_client))
+                mine = _wire(identity())
+                hello = _HELLO.pack(self.config.rank, *mine, n_client,
+                                    self._mac(b"h", me, them, _PROC.pack(*mine), n_client))
                 await asyncio.wait_for(self._io(ep, bytearray(hello), self._hello_tag(peer), True, True),
                                        self._handshake_timeout)
                 await asyncio.wait_for(got, self._handshake_timeout)
             finally:
                 if not got.done():
                     got.cancel()
-            pid, n_server, mac = _CHALLENGE.unpack(bytes(challenge))
-            if not hmac.compare_digest(mac, self._mac(b"s", n_client, n_server, them, me, _RANK.pack(pid))):
+            pid, started, n_server, mac = _CHALLENGE.unpack(bytes(challenge))
+            if not hmac.compare_digest(mac, self._mac(b"s", n_client, n_server, them, me, _PROC.pack(pid, started))):
                 raise PeerUnavailableError(
                     f"rank {peer}'s worker failed authentication", **self._ectx(peer, "connect"),
                     hint="the address in the rendezvous belongs to another group incarnation or process")
@@ -592,7 +600,7 @@ class UcxBackend(Backend):
             raise
         state = self._peer(peer)
         state.send_key, state.recv_key = self._pair_keys(self.config.rank, peer, n_client, n_server)
-        return ep, pid
+        return ep, (pid, started or None)
 
     def _close_ep(self, ep: Any) -> None:
         """Close a ucxx endpoint without raising (bounded by ucxx's close period); under the engine lock, since
@@ -663,11 +671,11 @@ class UcxBackend(Backend):
                 raise ValueError(f"malformed address {raw!r}")
             node, addr = await asyncio.wait_for(self._peer_waddr(peer), self._handshake_timeout)
             if self._node and node == self._node:
-                ep, pid = await self._connect_same_node(peer, addr)
+                ep, proc = await self._connect_same_node(peer, addr)
                 if state.ready.done():
                     self._close_ep(ep)
                     return
-                self._attach(peer, state, ep, "worker-address", pid)
+                self._attach(peer, state, ep, "worker-address", proc)
                 return
             ep = await asyncio.wait_for(
                 self._ctx.create_endpoint(host, port, endpoint_error_handling=True,
@@ -706,15 +714,15 @@ class UcxBackend(Backend):
             return
         self._attach(peer, state, ep, "listener", None)
 
-    def _attach(self, peer: int, state: _Peer, ep: Any, path: str, pid: Optional[int]) -> None:
+    def _attach(self, peer: int, state: _Peer, ep: Any, path: str, proc: Optional[Proc]) -> None:
         """Make an authenticated endpoint the pair's connection and start its control reader."""
         state.ep = ep
         state.path = path
         state.transports = _ep_transports(ep) or ("tcp" if path == "listener" else "")
         self.stats["connections"] += 1
         loop = self._loop
-        if pid is not None and pid != os.getpid():
-            self._watch(peer, state, ep, pid)
+        if proc is not None and proc[0] != os.getpid():
+            self._watch(peer, state, ep, proc)
 
         # Weak: ucxx's endpoint finalizer holds the callback's owner strongly, so a callback holding the backend or
         # the endpoint would keep both (and the UCX worker with its shared-memory segments) alive for ever.
@@ -738,8 +746,11 @@ class UcxBackend(Backend):
         if self._engine is not None:
             self._engine.wake()  # operations waiting for this connection post their requests now
 
-    def _watch(self, peer: int, state: _Peer, ep: Any, pid: int) -> None:
-        """Fail the peer when its process exits: a same-node endpoint has no UCX error handling to tell us."""
+    def _watch(self, peer: int, state: _Peer, ep: Any, proc: Proc) -> None:
+        """Fail the peer when its process ``(pid, start time)``, from its authenticated handshake, exits: a
+        same-node endpoint has no UCX error handling to tell us. The pidfd is checked to be that process (the pid
+        may name a later one once the peer died)."""
+        pid, started = proc
         try:
             fd = os.pidfd_open(pid)
         except (AttributeError, OSError) as e:  # old kernel, or the process is already gone
@@ -747,6 +758,10 @@ class UcxBackend(Backend):
                 self._fail_peer(peer, state, self._gone_error(peer, f"its process {pid} exited"))
             else:
                 logger.debug("ucx rank %d: cannot watch rank %d's process %d: %s", self.config.rank, peer, pid, e)
+            return
+        if not process_alive(pid, started):  # after the open: while it holds, the pidfd is the peer's
+            os.close(fd)
+            self._fail_peer(peer, state, self._gone_error(peer, f"its process {pid} exited"))
             return
         state.pidfd = fd
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
 
 from rdt.transports.recv_buffers import HUGE_MIN_BYTES, POOL_MIN_BYTES, BufferPool
 from rdt._objects.table import ObjectTable
+
+from ..conftest import HAS_NIXL
 
 JOIN_S = 10.0
 
@@ -134,6 +136,91 @@ def _gc_restored() -> Any:
     yield
     gc.set_threshold(*old)
     gc.callbacks[:] = callbacks
+
+
+class _CollectingLock:
+    """A lock that runs ``hook`` right after it is acquired: a GC pass inside the owner's locked region, at will."""
+
+    def __init__(self, inner: Any, hook: Callable[[], None]) -> None:
+        self._inner, self._hook = inner, hook
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._inner.acquire(blocking, timeout)
+        if got:
+            self._hook()
+        return got
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def locked(self) -> bool:
+        return self._inner.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.release()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
+def test_nixl_target_finalizer_run_by_gc_inside_the_table_lock_does_not_deadlock() -> None:
+    """A GC pass inside ``drain()``'s locked region (the NIXL progress thread, holding the agent's lock) frees an
+    ``into=`` target whose storage finalizer then runs on that thread: it must only enqueue, and the registration
+    is still deregistered at the next drain (a real NIXL agent over DRAM)."""
+    from rdt.transports.nixl.agent import NixlAgent
+
+    ag = NixlAgent("finalizer-test-" + secrets.token_hex(4))
+    regs = ag.targets
+    with ag.lock:
+        empty_md = len(ag.agent.get_agent_metadata())
+    target = torch.ones(1 << 16)
+    cycle: Dict[str, Any] = {"target": target}
+    cycle["self"] = cycle  # only a GC pass frees it
+    with ag.lock:
+        assert regs.cover([target]) == [True]
+        assert len(regs) == 1 and len(ag.agent.get_agent_metadata()) > empty_md
+    del target
+    held: List[Any] = [cycle]
+    del cycle
+    worker: List[int] = []
+    fired: List[bool] = []
+
+    def gc_pass() -> None:
+        # Only on the test's thread (the progress thread may drain too): the target's last view dies in this GC
+        # pass, so its storage finalizer runs here, under the table's lock.
+        if held and worker and threading.get_ident() == worker[0]:
+            held.clear()
+            gc.collect()
+            fired.append(True)
+
+    regs._mu = _CollectingLock(regs._mu, gc_pass)
+
+    probe = torch.ones(16)
+
+    def drive() -> None:
+        worker.append(threading.get_ident())
+        with ag.lock:  # as a fetch does (the progress thread drains under the same locks)
+            regs.drain()
+            assert regs.cover([probe]) == [True]
+
+    deadlocked = False
+    try:
+        deadlocked = not _finishes(drive)
+        assert not deadlocked, "a NIXL target finalizer run under the table's lock deadlocked"
+        assert fired, "no GC pass ran inside the locked region (the test did not exercise the case)"
+        del probe
+        for _ in range(200):  # the progress thread (or the next fetch) deregisters it within a few ms
+            with ag.lock:
+                regs.drain()
+                if len(regs) == 0:
+                    break
+            threading.Event().wait(0.01)
+        with ag.lock:
+            assert len(regs) == 0 and len(ag.agent.get_agent_metadata()) == empty_md
+    finally:
+        if not deadlocked:  # a deadlocked worker holds the agent's lock for good: its progress thread cannot end
+            assert ag.stop()
 
 
 def test_unmapper_finalizer_only_enqueues_and_its_thread_stops() -> None:

@@ -366,3 +366,16 @@ def test_write_handles_are_reused_and_released(pair) -> None:
         run_both(lambda: b0.isend(t, 1, 300 + i).wait(TIMEOUT), lambda: b1.irecv(dst[:m], 0, 300 + i).wait(TIMEOUT))
         assert float(dst[0]) == float(dst[m - 1]) == float(i)
     assert len(b0._xfers) == cap and b0.stats["write_handles_made"] == 2 + cap + 3
+
+
+def test_wait_on_a_same_node_peer_whose_pid_names_another_process_fails_fast(pair) -> None:
+    """The pid watch goes by (pid, start time): once a dead peer's pid names another process (here: this one,
+    with another start time than rank 1 joined with), a wait fails with PeerUnavailableError, not at its timeout."""
+    b0, _b1 = pair
+    assert b0._peer_pids is not None and b0._peer_starts.get(1) is not None
+    b0._peer_starts[1] += 1  # rank 1 (this very pid) as if it had died and its pid gone to a later process
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailableError, match=r"rank 1 \(pid \d+, this node\) died") as ei:
+        b0.irecv(torch.zeros(4), 1, 11).wait(TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 4
+    assert ei.value.peer == 1 and ei.value.op == "recv"

@@ -132,9 +132,9 @@ def _transfers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     posted: List[int] = []
     keep = nixl_read._transfer
 
-    def spy(ag, info, plan, regs, keepalive, timeout):
+    def spy(ag, info, plan, *rest):
         posted.extend(len(remote) for _, remote, _, _ in plan)
-        return keep(ag, info, plan, regs, keepalive, timeout)
+        return keep(ag, info, plan, *rest)
 
     monkeypatch.setattr(nixl_read, "_transfer", spy)
     return posted

@@ -110,7 +110,7 @@ def test_a_reused_descriptor_is_refused_not_read():
     assert len(reader) == 1  # the valid file was mapped; the two refused ones were not kept
 
 
-def test_mappings_stay_flat_and_a_freed_storage_is_released_after_the_ttl():
+def test_mappings_stay_flat_an_unused_one_goes_after_the_ttl_and_a_freed_one_at_once():
     reader = _reader(ttl=5.0)
     t = torch.ones(1 << 16).share_memory_()
     info = _describe([t])
@@ -119,11 +119,14 @@ def test_mappings_stay_flat_and_a_freed_storage_is_released_after_the_ttl():
         _read(reader, info, [t])
     assert len(reader) == 1 and reader.mapped_bytes() == t.nbytes
     ino = info.files[0].ino
-    del t  # the producer frees its storage; the consumer's mapping alone keeps the file until the ttl
+    assert reader.trim() == 0  # used just now, and the producer holds the file
+    assert reader.trim(now=time.monotonic() + 5.0) == 1  # unused for the ttl
+    assert len(reader) == 0 and reader.mapped_bytes() == 0
+    _read(reader, info, [t])
+    del t  # the producer frees its storage: the next trim (the reaper's pass) unmaps it, without waiting
     assert ino in _mapped_inodes()
-    assert reader.trim() == 0
-    assert reader.trim(now=time.monotonic() + 5.0) == 1
-    assert ino not in _mapped_inodes() and len(reader) == 0
+    assert reader.trim() == 1
+    assert ino not in _mapped_inodes() and len(reader) == 0 and reader.mapped_bytes() == 0
 
 
 def test_the_cap_unmaps_the_least_recently_used():
@@ -132,3 +135,87 @@ def test_the_cap_unmaps_the_least_recently_used():
     for t in tensors:
         _read(reader, _describe([t]), [t])  # type: ignore[arg-type]
     assert len(reader) == 3
+
+
+_STEPPING_PRODUCER = r"""
+import pickle, sys, torch
+from rdt.transports.shm import shared_maps as _shm_map
+weights = []
+for line in sys.stdin:  # "step N": new shared storages, the previous ones freed; "free": none left
+    del weights[:]
+    if line.startswith("step"):
+        step = int(line.split()[1])
+        weights = [torch.full((1 << 20,), float(step * 10 + i)).share_memory_() for i in range(4)]  # 4 x 4 MiB
+    info = _shm_map.describe(_shm_map.spans_of(weights)) if weights else None
+    sys.stdout.write(pickle.dumps(info).hex() + "\n")
+    sys.stdout.flush()
+"""
+
+
+class _Producer:
+    """A real producer process that shares fresh storages at every step and frees the previous step's."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _STEPPING_PRODUCER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    def say(self, line: str) -> "_shm_map.MapInfo | None":
+        import pickle
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return pickle.loads(bytes.fromhex(self.proc.stdout.readline().strip()))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _read_step(reader: _shm_map.MapReader, pid: int, info: _shm_map.MapInfo, step: int) -> None:
+    out = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(4)]
+    reader.read(pid, info, [o.data_ptr() for o in out], [4 << 20] * 4)
+    for i, o in enumerate(out):
+        assert torch.equal(o.view(torch.float32), torch.full((1 << 20,), float(step * 10 + i)))
+
+
+def test_a_reaper_pass_drops_the_mappings_of_storages_the_producer_freed():
+    """Within the ttl and with the producer alive, a storage it freed (its descriptor closed) is unmapped at the
+    next reaper pass: the consumer does not keep freed weights alive in /dev/shm for pool_ttl."""
+    producer = _Producer()
+    reader = _reader(threads=1, ttl=3600.0)
+    try:
+        for step in range(3):
+            info = producer.say(f"step {step}")
+            assert info is not None
+            _read_step(reader, producer.proc.pid, info, step)
+            reader.trim()  # the reaper's pass: the previous step's storages are freed, this step's are held
+            assert reader.mapped_bytes() == 16 << 20 and len(reader) == 4, step
+        assert producer.say("free") is None
+        reader.trim()
+        assert reader.mapped_bytes() == 0 and len(reader) == 0
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_mapped_bytes_stay_under_the_cap_while_a_producer_shares_new_storages_every_step():
+    cap = 40 << 20  # two and a half steps
+    producer = _Producer()
+    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 3600.0, max_bytes=cap)
+    try:
+        for step in range(8):  # no reaper pass between steps: only the cap bounds what stays mapped
+            info = producer.say(f"step {step}")
+            assert info is not None
+            _read_step(reader, producer.proc.pid, info, step)
+            assert reader.mapped_bytes() <= cap, (step, reader.mapped_bytes())
+        # Over the cap, mappings of freed storages went first: this step's are all still mapped.
+        assert reader.mapped_bytes() >= 16 << 20
+    finally:
+        reader.close()
+        producer.close()

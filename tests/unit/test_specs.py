@@ -309,3 +309,32 @@ def _leaves(value):
     if isinstance(value, (list, tuple)):
         return [x for v in value for x in _leaves(v)]
     return []
+
+
+@pytest.mark.parametrize("value", [
+    pytest.param(lambda: {f"w{i}": torch.arange(i * 1000, i * 1000 + 4096, dtype=torch.int32) for i in range(20)},
+                 id="separate"),
+    pytest.param(lambda: many_tensors(60), id="general"),
+])
+def test_cloned_describes_only_the_copies(value):
+    """snapshot=True's copy: every address, span, view and leaf is the copies', none the originals' (issue 29:
+    the many-tensor pass's address list once survived the copy), and the bytes are the values at the copy."""
+    from rdt.transports.group.serve import packed_sends
+
+    value = value()
+    flat = flatten(value)
+    want = leaf_digests(unflatten(flat.skeleton, flat.leaves))
+    staged = [t.clone() for t in packed_sends(flat)]
+    snap = flat.cloned()
+    originals = {owner.untyped_storage().data_ptr() for owner, _, _ in flat.spans}
+    ends = [(a, a + n) for a, n in flat.ranges]
+    for b in flat.buffers:
+        b.bitwise_not_()  # the producer changes its tensors in place after the return
+    assert not originals & {owner.untyped_storage().data_ptr() for owner, _, _ in snap.spans}
+    assert not originals & {b.untyped_storage().data_ptr() for b in snap.buffers}
+    assert not any(lo <= a < hi for a, _ in snap.ranges for lo, hi in ends)
+    assert snap.ranges == [(b.data_ptr(), b.numel()) for b in snap.buffers]
+    assert [n for _, n in snap.ranges] == list(snap.table.sizes) == list(flat.table.sizes)
+    assert all(torch.equal(snap.view(i), b) for i, b in enumerate(snap.buffers))
+    assert leaf_digests(unflatten(snap.skeleton, snap.leaves)) == want
+    assert all(torch.equal(a, b) for a, b in zip(packed_sends(snap), staged))

@@ -28,6 +28,7 @@ from rdt_transports.backends.ucx import UcxBackend  # noqa: E402
 from rdt_transports.errors import (  # noqa: E402
     CollectiveTimeoutError,
     GroupDestroyedError,
+    PeerUnavailableError,
     TensorMismatchError,
 )
 
@@ -368,7 +369,7 @@ def _outsider_at_worker(addr: bytes, server_rank: int, uid: bytes, tag: int) -> 
         ep = await ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(addr),
                                                            endpoint_error_handling=False)
         hello_tag = ucx_mod._tag64(b"hello", uid, ucx_mod._RANK.pack(server_rank))
-        bad = ucx_mod._HELLO.pack(0, os.getpid(), os.urandom(32), b"\0" * 32)
+        bad = ucx_mod._HELLO.pack(0, os.getpid(), 0, os.urandom(32), b"\0" * 32)
         await asyncio.wait_for(ep.send(bytearray(bad), tag=hello_tag, force_tag=True), 5)
         await asyncio.wait_for(ep.send(bytearray(bad + b"x" * 64), tag=hello_tag, force_tag=True), 5)
         header = ucx_mod._CTL.pack(ucx_mod._HDR, ucx_mod._dtype_code(torch.float32), 0, tag, 16, 0)
@@ -505,3 +506,30 @@ def test_shutdown_frees_the_ucx_workers_at_once() -> None:
         assert workers() == before
     finally:
         gc.enable()
+
+
+def test_the_pid_watch_fails_a_peer_whose_pid_names_another_process() -> None:
+    """A same-node pair watches the peer's process by (pid, start time) from its authenticated handshake: given
+    the pid of a live process that is not the one that said hello (another start time), the pair fails at once."""
+    import subprocess
+    import sys
+
+    from rdt_transports._proc import identity
+
+    b0, b1 = _make_pair()
+    other = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        _exchange(b0, b1, torch.ones(4), torch.zeros(4), _tag())  # the pair is connected
+        state = b0._peer(1)
+        pid, started = identity(other.pid)
+        assert started is not None
+        b0._loop.call_soon_threadsafe(b0._watch, 1, state, state.ep, (pid, started + 1))
+        with pytest.raises(PeerUnavailableError, match="exited"):
+            b0.irecv(torch.zeros(4), 1, _tag()).wait(5.0)
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+        b0.shutdown()
+        b1.shutdown()

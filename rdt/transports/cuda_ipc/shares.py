@@ -21,11 +21,14 @@ Mechanism (torch's own CUDA IPC, the one ``torch.multiprocessing`` uses):
     any tensor on it lives: the leaves, views derived from them, numpy and cupy leaves.
 
 * Lifetime: torch counts one pending "message" per ``_share_cuda_`` call (with a reference slot and an
-  inter-process event each) and keeps a freed block in limbo until that count drops to zero. So a storage is
-  shared once, however many objects use it (weights returned every step share one export), through the
-  process's :class:`ShareCache`, and the share is settled when the last object using it is freed
-  (:func:`release`). Until then the cache keeps the storage alive. Blocks are never parked in limbo and never
-  leak, and the number of shares is bounded by the storages live objects hold.
+  inter-process event each, kept until the storage dies) and keeps a freed block in limbo until that count drops
+  to zero. So a storage is shared once for its whole life, however many objects use it (weights returned every
+  step, each step's object freed before the next return, share one export), through the process's
+  :class:`ShareCache`, like NIXL registrations. While an object uses the storage the cache holds it; after the
+  last one is freed it holds it only weakly, and the storage's death queues the share for settling (a finalizer
+  that only enqueues; the next cache call settles it). A share is reused only for the very storage it was made
+  for, never for a new allocation at the same address. Blocks are not parked in limbo once settled, and the
+  number of shares is bounded by the live storages that were ever returned (at most ``max_idle`` idle ones).
 
 Limits: same node only. The producer's GPU must be visible to the consumer (by UUID); otherwise ``auto`` picks
 another path and an explicit ``"cuda_ipc"`` fails with a fix. Memory that did not come from torch's caching
@@ -117,17 +120,25 @@ ShareKey = Tuple[int, int, int]  # (device index, storage address, storage bytes
 
 
 class ShareCache(StorageCache[ShareKey, Tuple[Any, ...]]):
-    """One CUDA IPC share per storage, however many live objects (or returns of the same weights) use it.
+    """One CUDA IPC share per storage for the storage's life, however many objects (or returns of the same weights)
+    use it.
 
-    torch adds a reference slot and an inter-process event for every ``_share_cuda_`` call, so sharing at every
-    return of weights returned each step grows both without bound (and past torch's event cap every export
-    synchronises). Here a storage is shared on its first use, counted per object, and its share settled when the
-    last object using it is freed (see ``rdt.transports.storage_cache``). ``share``/``settle`` are injected (torch's in
-    production) so the bookkeeping is tested without CUDA.
+    torch adds a reference slot and an inter-process event for every ``_share_cuda_`` call and keeps them until the
+    storage dies, so sharing again at every return of weights returned each step grows both without bound (and past
+    torch's event cap every export synchronises). Here a storage is shared on its first use and the share is kept
+    while the storage lives (``keep_while_alive``; see ``rdt.transports.storage_cache``): settled once the storage
+    has died, or when more than ``max_idle`` storages no live object uses are kept (oldest first).
+    ``share``/``settle`` are injected (torch's in production) so the bookkeeping is tested without CUDA.
     """
 
-    def __init__(self, share: Callable[[Any], Tuple[Any, ...]], settle: Callable[[Tuple[Any, ...]], None]) -> None:
-        super().__init__(lambda _key, storage: share(storage), settle)
+    def __init__(self, share: Callable[[Any], Tuple[Any, ...]], settle: Callable[[Tuple[Any, ...]], None],
+                 max_idle: int = 4096) -> None:
+        super().__init__(lambda _key, storage: share(storage), settle, keep_while_alive=True, max_idle=max_idle)
+
+    def exported(self) -> int:
+        """Shares not settled yet: those live objects use and those kept for storages still alive."""
+        self.sweep()
+        return len(self) + self.idle()
 
 
 def _share_storage(storage: Any) -> Tuple[Any, ...]:

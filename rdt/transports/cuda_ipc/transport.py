@@ -63,7 +63,7 @@ class CudaIpcTransport(Transport):
 
     def exported(self, ctx: Any) -> int:
         cache = ctx.peek_transport_state(self.name)
-        return len(cache) if cache is not None else 0
+        return cache.exported() if cache is not None else 0
 
     def release(self, ctx: Any, entry: Any) -> None:
         if "cuda_ipc" in entry.exports:

@@ -17,6 +17,7 @@ import torch
 from rdt_transports import _lifecycle
 
 from ..base import Context, TransportState
+from ..busy_targets import BusyTargets
 from ..storage_cache import StorageCache
 from .descriptors import mem_type_of
 from .targets import TargetRegistrations
@@ -30,7 +31,7 @@ def _module() -> Any:
             return importlib.import_module(name)
         except ImportError:
             continue
-    raise ImportError("no NIXL package: pip install 'rdt[nixl]' (nixl-cu13)")
+    raise ImportError("no NIXL package: pip install 'ray-direct-transport[nixl]' (nixl-cu13)")
 
 
 def available() -> bool:
@@ -57,6 +58,18 @@ class _Remote:
 RegKey = Tuple[str, int, int, int]  # (memory type, device id, storage address, storage bytes)
 
 
+@dataclass
+class ParkedRead:
+    """A READ that timed out but may still move data: its handles, local registrations and memory (the caller's
+    targets among it, marked busy under ``hold``) stay until NIXL says it is no longer in progress."""
+
+    handles: List[Any]
+    regs: List[Any]
+    keep: List[torch.Tensor]
+    agent: str
+    hold: Optional[int]
+
+
 def storage_key(buf: torch.Tensor) -> RegKey:
     """The registration that covers ``buf``: its whole untyped storage (weights returned every step map to one)."""
     storage = buf.untyped_storage()
@@ -76,12 +89,18 @@ class NixlAgent(TransportState):
     whose loads reach ``MAX_LOADS_PER_REMOTE`` is removed and loaded afresh from the current object's metadata,
     and beyond ``MAX_REMOTES`` agents the least recently used idle one (e.g. a producer that died) is removed;
     both only while no READ from that agent is in flight.
+
+    A READ that times out cannot be cancelled (releasing its handle leaves UCX landing the bytes, and loses the only
+    signal that they have landed), so it is parked with its memory until NIXL reports it over, its into= targets
+    marked in ``busy``. At most ``max_parked`` READs are parked: beyond that no new READ starts
+    (:class:`~rdt.transports.nixl.read.ParkedLimit`).
     """
 
     MAX_LOADS_PER_REMOTE = 256
     MAX_REMOTES = 64
+    MAX_PARKED = 64
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, busy: Optional[BusyTargets] = None) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         api = _module()
         self.name = name
@@ -93,8 +112,11 @@ class NixlAgent(TransportState):
         self._remotes: "OrderedDict[str, _Remote]" = OrderedDict()  # least recently used first
         # Transfers that timed out but may still be moving data: their destination buffers and registrations
         # stay alive until NIXL says they finished (freeing them earlier would let a late READ write into freed
-        # memory).
-        self.parked: List[Tuple[List[Any], List[Any], List[torch.Tensor], str]] = []  # (handles, regs, dst, agent)
+        # memory), and the caller's targets among them stay marked busy (a later fetch into them would be
+        # overwritten).
+        self.parked: List[ParkedRead] = []
+        self.max_parked = self.MAX_PARKED
+        self.busy = busy if busy is not None else BusyTargets()
         # Kept while the storage lives, not only while an object uses it: the same weights are returned every step.
         self.registrations: StorageCache[RegKey, Any] = StorageCache(self._register_storage, self._deregister,
                                                                      keep_while_alive=True)
@@ -143,18 +165,19 @@ class NixlAgent(TransportState):
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""
         still = []
-        for handles, regs, dst, name in self.parked:
+        for read in self.parked:
             states = []
-            for handle in handles:
+            for handle in read.handles:
                 try:
                     states.append(self.agent.check_xfer_state(handle))
                 except Exception:
                     states.append("ERR")
             if "PROC" in states:
-                still.append((handles, regs, dst, name))
+                still.append(read)
                 continue
-            release_all(self.agent, handles, regs)
-            self._done_locked(name)
+            release_all(self.agent, read.handles, read.regs)
+            self._done_locked(read.agent)
+            self.busy.clear(read.hold)  # its bytes have landed (or never will): the targets are free
         self.parked = still
 
     def ensure_remote(self, name: str, md: bytes, *extra_md: bytes) -> None:
@@ -205,7 +228,9 @@ class NixlAgent(TransportState):
 
 def agent(ctx: "Context") -> NixlAgent:
     """The context's agent, created on first use (creation takes ~0.4 s)."""
-    return ctx.transport_state("nixl", lambda: NixlAgent(f"rdt-{ctx.instance.hex()}"))
+    # the context's table of busy targets, which rdt.get(into=) checks (a bare context in tests has none)
+    return ctx.transport_state("nixl", lambda: NixlAgent(f"rdt-{ctx.instance.hex()}",
+                                                         getattr(ctx, "busy_targets", None)))
 
 
 class _Block:

@@ -12,7 +12,7 @@ import torch
 
 from ..base import Context
 from ..receive import block_views
-from .agent import NixlAgent, release_all, agent
+from .agent import NixlAgent, ParkedRead, agent, release_all
 from .descriptors import NixlInfo, PackedDescs, group_by_mem_type, mem_type_of
 
 def _sync_cuda(bufs: List[torch.Tensor]) -> None:
@@ -22,17 +22,19 @@ def _sync_cuda(bufs: List[torch.Tensor]) -> None:
 
 
 def read_object(ctx: "Context", info: NixlInfo, device: torch.device, timeout: float,
-          dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
-    """READ every buffer into fresh tensors on ``device``; raises TimeoutError/RuntimeError.
+                dests: Sequence[Optional[torch.Tensor]] = (), label: str = "an object") -> List[torch.Tensor]:
+    """READ every buffer into fresh tensors on ``device`` (or into ``dests``, the caller's targets); raises
+    TimeoutError, ParkedLimit or RuntimeError. ``label`` names the object in what a parked READ is marked with.
 
     Each buffer keeps its own kind of memory: a VRAM source is read to ``device`` when it is a CUDA device (else
     into DRAM: the consumer has no GPU), a DRAM source into CPU memory.
     """
     ag = agent(ctx)
+    _check_room(ag)
     ag.ensure_remote(info.agent, info.agent_md, *info.extra_md)
     parked = False
     try:
-        return _read(ctx, ag, info, device, timeout, dests)
+        return _read(ctx, ag, info, device, timeout, dests, label)
     except _Parked:
         parked = True  # it stays counted as in flight until the progress thread reaps it
         raise
@@ -45,8 +47,23 @@ class _Parked(TimeoutError):
     """A READ timed out but may still be moving data: its memory was parked on the agent."""
 
 
+class ParkedLimit(RuntimeError):
+    """No READ was started: ``max_parked`` READs that timed out are still in flight."""
+
+
+def _check_room(ag: NixlAgent) -> None:
+    """Refuse to start a READ while ``max_parked`` timed-out READs are still in flight (each holds its memory)."""
+    with ag.lock:
+        if len(ag.parked) < ag.max_parked:
+            return
+        sources = sorted({p.agent for p in ag.parked})
+    raise ParkedLimit(f"{len(ag.parked)} NIXL READs of this process timed out and are still in flight (from "
+                      f"agents {', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''}); no new READ starts "
+                      "until one ends")
+
+
 def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
-          timeout: float, dests: Sequence[Optional[torch.Tensor]] = ()) -> List[torch.Tensor]:
+          timeout: float, dests: Sequence[Optional[torch.Tensor]] = (), label: str = "an object") -> List[torch.Tensor]:
     """The READ itself, into fresh tensors: a VRAM buffer on ``device``, a DRAM one in CPU memory. One transfer
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
     if not dests and len(info.descs) > 1 and set(info.mem_types) == {"DRAM"}:
@@ -77,7 +94,7 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
         raise
     plan = [([dst[i] for i in idx], [info.descs[i] for i in idx], local_type, remote_type)
             for (local_type, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types)))]
-    _transfer(ag, info, plan, regs, dst, timeout)
+    _transfer(ag, info, plan, regs, dst, timeout, [dst[i] for i in targets], label)
     return dst
 
 
@@ -100,9 +117,11 @@ def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -
 
 
 def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str]], regs: List[Any],
-              keep: List[torch.Tensor], timeout: float) -> None:
+              keep: List[torch.Tensor], timeout: float, targets: Sequence[torch.Tensor] = (),
+              label: str = "an object") -> None:
     """Post one READ per (local, remote) memory-type pair of ``plan`` and wait for all (``regs``: the local
-    registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out)."""
+    registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out;
+    ``targets``: the caller's tensors among it, marked busy while a parked READ may write them)."""
     handles: List[Any] = []
     try:
         with ag.lock:
@@ -117,10 +136,15 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
         delay = 1e-5
         while "PROC" in states:
             if time.monotonic() > deadline:
-                with ag.lock:  # may still complete later: keep its memory until it does
-                    ag.parked.append((handles, regs, keep, info.agent))
+                # It may still complete later: keep its memory (and handles: releasing one does not stop UCX, it
+                # only hides when the bytes land) until it does, and mark the caller's targets busy meanwhile.
+                hold = ag.busy.mark(targets, f"the NIXL READ of {label} from {info.agent}")
+                with ag.lock:
+                    ag.parked.append(ParkedRead(handles, regs, keep, info.agent, hold))
                 handles, regs = [], []
-                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s")
+                late = (f"; it is still in flight and may write into the {len(targets)} into= target(s) until it "
+                        "ends (a later rdt.get into them waits for it)") if hold is not None else ""
+                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s{late}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
             with ag.lock:

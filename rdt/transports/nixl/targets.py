@@ -4,13 +4,18 @@ A trainer's weights land in the same parameters every step; registering them wit
 registration (milliseconds for GPUDirect) per storage per step. So a target storage is registered on its first
 fetch and deregistered when the storage itself dies (a finalizer on torch's storage object, which torch keeps for
 as long as the storage lives). At most ``MAX_STORAGES`` are kept; beyond that a fetch registers per fetch as before.
+
+A storage can die anywhere, in particular in a GC pass on a thread that holds this table's lock or the agent's
+lock (the progress thread drains under both). So its finalizer only enqueues the registration on a lock-free queue;
+whoever holds the agent's lock next (the progress thread every few ms, or the next fetch) deregisters it.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -23,9 +28,9 @@ class TargetRegistrations:
     def __init__(self, owner: Any, key: Callable[[torch.Tensor], Any]) -> None:
         self._owner = owner  # the NixlAgent: its .agent registers, its .lock guards the agent
         self._key = key  # a buffer's storage key: (memory type, device id, storage address, storage bytes)
-        self._mu = threading.Lock()  # guards the tables only (finalizers may run with the agent's lock held)
+        self._mu = threading.Lock()  # guards the table; never taken by a finalizer (one may run while it is held)
         self._regs: Dict[Any, Any] = {}
-        self._dead: List[Any] = []  # registrations of storages that died while the agent's lock was taken
+        self._died: "queue.SimpleQueue[Tuple[Any, Any]]" = queue.SimpleQueue()  # (key, registration), from finalizers
         self.made = 0  # registrations made over this table's life (for stats and tests)
 
     def cover(self, bufs: Sequence[torch.Tensor]) -> List[bool]:
@@ -51,26 +56,25 @@ class TargetRegistrations:
         return out
 
     def _storage_died(self, key: Any, reg: Any) -> None:
-        with self._mu:
-            if self._regs.get(key) is reg:
-                del self._regs[key]
-            self._dead.append(reg)
-        if self._owner.lock.acquire(blocking=False):  # else whoever holds it drains (next fetch, progress thread)
-            try:
-                self.drain()
-            finally:
-                self._owner.lock.release()
+        """Finalizer: enqueue only (SimpleQueue.put is reentrant); no lock, no call into NIXL."""
+        self._died.put((key, reg))
 
     def drain(self) -> None:
         """Deregister the registrations of storages that died; caller holds the agent's lock. Never raises."""
-        with self._mu:
-            dead, self._dead = self._dead, []
-        for reg in dead:
+        while True:
+            try:
+                key, reg = self._died.get_nowait()
+            except queue.Empty:
+                return
+            with self._mu:
+                if self._regs.get(key) is reg:
+                    del self._regs[key]
             try:
                 self._owner.agent.deregister_memory(reg)
             except Exception:  # noqa: BLE001 - freeing must never fail
                 pass
 
     def __len__(self) -> int:
+        """Registrations held (those of dead storages until drained)."""
         with self._mu:
-            return len(self._regs) + len(self._dead)
+            return len(self._regs)

@@ -15,7 +15,7 @@ from ..._control import wire as _control
 from . import agent as _agent
 from .descriptors import NixlInfo, decode_info, encode_info
 from .export import register, release
-from .read import read_object
+from .read import ParkedLimit, read_object
 from ..._objects.meta import ObjectMeta
 from ..._control.peer import control_request, died, probe, unreachable
 from ..._control.wire import err
@@ -41,9 +41,14 @@ class NixlTransport(Transport):
         if not self.available():
             return Unusable("NIXL is not installed in this process", ObjectFetchError(
                 f"{meta.describe()} needs NIXL, which is not installed in this process", object_id=meta.id_hex,
-                hint="pip install 'rdt[nixl]'"))
+                hint="pip install 'ray-direct-transport[nixl]'"))
         if self.name in meta.producer.missing:
             return Unusable("NIXL is not installed in the producer")
+        if site.cuda_device is None and "cuda" in meta.buffers.device_types:
+            # A READ of the producer's VRAM needs UCX's CUDA transports in this process too (a GPU run of
+            # 2026-11-27 saw it fail for a consumer with CUDA_VISIBLE_DEVICES=""): the fallback streams the
+            # buffers through host memory instead, and they arrive on the CPU, as with ray.get.
+            return Unusable("this process has no CUDA device to READ the producer's GPU memory with")
         return None
 
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
@@ -54,7 +59,11 @@ class NixlTransport(Transport):
             info = decode_info(resp)
         device = site.cuda_device if info.mem_type == "VRAM" and site.cuda_device is not None else torch.device("cpu")
         try:
-            return Fetched(read_object(ctx, info, device, _left(deadline), site.into), "nixl")
+            return Fetched(read_object(ctx, info, device, _left(deadline), site.into, meta.describe()), "nixl")
+        except ParkedLimit as e:
+            raise ObjectFetchError(f"{meta.describe()} was not fetched: {e}", object_id=meta.id_hex,
+                                   hint="their producers are stuck or unreachable: kill them (their READs then fail "
+                                        "at once) or wait until they serve again") from e
         except TimeoutError as e:  # other errors (NIXL's own) are named by the consumer core, which probes alike
             state, why = probe(ctx, meta)
             if state == "dead":
@@ -76,12 +85,12 @@ class NixlTransport(Transport):
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """Producer: register the object (once) and describe it for the asking consumer."""
-    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
-    if entry is None:
-        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-    with entry.lock:
+    with ctx.table.exporting(payload[:16]) as entry:
+        if entry is None or len(payload) < 16:
+            return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
         info = register(ctx, entry)
-    ctx.stats.add("nixl", "out", entry.nbytes)
+        nbytes = entry.nbytes
+    ctx.stats.add("nixl", "out", nbytes)
     return _control.RESP_OK, encode_info(info)
 
 

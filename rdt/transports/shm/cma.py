@@ -28,7 +28,7 @@ import numpy as np
 
 from rdt_transports import _cma as _low
 from rdt_transports._cma import CmaDenied, CmaError
-from rdt_transports._proc import pid_alive
+from rdt_transports._proc import process_alive, start_time
 
 MAGIC = b"rdtcma1\0"
 GUARD_BYTES = len(MAGIC) + 16
@@ -111,30 +111,39 @@ def _read_batched(pid: int, parts: Sequence[Tuple[int, int, int]]) -> None:
 
 
 class _DeniedPids:
-    """Pids the kernel refused, most recent last: at most ``cap`` (the oldest is forgotten and merely tried
-    again), and a pid whose process died is forgotten when asked about, so a reused pid starts afresh."""
+    """Processes the kernel refused, by pid with their start time, most recent last: at most ``cap`` (the oldest
+    is forgotten and merely tried again), and one that is gone is forgotten when asked about, so a process given
+    its pid later (another start time) starts afresh."""
 
     def __init__(self, cap: int = 1024) -> None:
         self.cap = cap
-        self._pids: "OrderedDict[int, None]" = OrderedDict()
+        self._pids: "OrderedDict[int, Optional[int]]" = OrderedDict()  # pid -> start time of the refusing process
         self._lock = threading.Lock()
 
-    def add(self, pid: int) -> None:
+    def add(self, pid: int, started: Optional[int] = None) -> None:
+        """Remember that process ``(pid, started)`` refused us (``started`` None: the process at ``pid`` now)."""
+        started = start_time(pid) if started is None else started
         with self._lock:
-            self._pids[pid] = None
+            self._pids[pid] = started
             self._pids.move_to_end(pid)
             while len(self._pids) > self.cap:
                 self._pids.popitem(last=False)
 
-    def __contains__(self, pid: object) -> bool:
+    def denied(self, pid: int, started: Optional[int] = None) -> bool:
+        """Whether process ``(pid, started)`` refused us (``started`` None: whichever process has ``pid`` now)."""
         with self._lock:
             if pid not in self._pids:
                 return False
-        if isinstance(pid, int) and pid_alive(pid):
-            return True
-        with self._lock:
-            self._pids.pop(pid, None)  # type: ignore[call-overload]
-        return False
+            refused = self._pids[pid]
+        if not process_alive(pid, refused):  # the process that refused is gone: forget it
+            with self._lock:
+                if pid in self._pids and self._pids[pid] == refused:
+                    del self._pids[pid]
+            return False
+        return started is None or refused is None or started == refused
+
+    def __contains__(self, pid: object) -> bool:
+        return isinstance(pid, int) and self.denied(pid)
 
     def __len__(self) -> int:
         with self._lock:
@@ -152,14 +161,17 @@ class CmaReader:
         self._denied = _DeniedPids()
         self._scratch: Optional[np.ndarray] = None  # where the bytes between spanned ranges land (never read)
 
-    def denied(self, pid: int) -> bool:
-        return pid in self._denied
+    def denied(self, pid: int, started: Optional[int] = None) -> bool:
+        """Whether the kernel refused process ``(pid, started)`` (see :class:`_DeniedPids`)."""
+        return self._denied.denied(pid, started)
 
-    def read(self, pid: int, info: CmaInfo, dests: Sequence[int], obj_id: bytes) -> None:
-        """Copy each ``info.ranges[i]`` of process ``pid`` to address ``dests[i]`` here, then check the guard.
+    def read(self, pid: int, info: CmaInfo, dests: Sequence[int], obj_id: bytes,
+             started: Optional[int] = None) -> None:
+        """Copy each ``info.ranges[i]`` of process ``pid`` (started at ``started``) to address ``dests[i]`` here,
+        then check the guard.
 
-        Raises :class:`CmaDenied` (remembered for ``pid``) or :class:`CmaError` (bad address, no process, or a
-        guard that no longer names ``obj_id``); on error the destination contents are unspecified.
+        Raises :class:`CmaDenied` (remembered for that process) or :class:`CmaError` (bad address, no process, or
+        a guard that no longer names ``obj_id``); on error the destination contents are unspecified.
         """
         if _READV is None:
             raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
@@ -175,7 +187,7 @@ class CmaReader:
                 self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
                             lambda part: _read_batched(pid, part))
         except CmaDenied:
-            self._denied.add(pid)
+            self._denied.add(pid, started)
             raise
         self.check(pid, info, obj_id)
 

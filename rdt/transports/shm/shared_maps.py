@@ -28,9 +28,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from rdt_transports._memcopy import copy_parts
-from rdt_transports._proc import pid_alive
+from rdt_transports._proc import process_alive, start_time
 
 Part = Tuple[int, int, int]  # (destination address, source address, bytes)
+
+MAX_BYTES = 8 << 30  # mapped bytes kept at most by default (the context passes RdtConfig.shm_map_bytes)
 
 
 class MapError(OSError):
@@ -137,21 +139,36 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Mapping:
-    __slots__ = ("addr", "size", "pid", "users", "last")
+    __slots__ = ("addr", "size", "pid", "started", "fd", "dev", "ino", "users", "last")
 
-    def __init__(self, addr: int, size: int, pid: int) -> None:
-        self.addr, self.size, self.pid = addr, size, pid
+    def __init__(self, addr: int, pid: int, started: Optional[int], f: SharedFile) -> None:
+        self.addr, self.size, self.pid, self.started = addr, f.size, pid, started
+        self.fd, self.dev, self.ino = f.fd, f.dev, f.ino  # the producer's descriptor of the file, and the file
         self.users = 0
         self.last = time.monotonic()
 
+    def held(self) -> bool:
+        """Whether the producer still holds the file open (its storage lives): its descriptor still names it. An
+        unreadable descriptor table counts as held (the ttl still applies)."""
+        try:
+            st = os.stat(f"/proc/{self.pid}/fd/{self.fd}")
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) == (self.dev, self.ino)
 
-def _map_file(pid: int, f: SharedFile) -> _Mapping:
+
+def _map_file(pid: int, started: Optional[int], f: SharedFile) -> _Mapping:
+    """Map the producer's file ``f`` read-only through its descriptor in process ``(pid, started)``."""
     path = f"/proc/{pid}/fd/{f.fd}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise MapError(e.errno, f"opening {path}: {e.strerror}") from e
     try:
+        if not process_alive(pid, started):  # checked after the open: the descriptor was that process's
+            raise MapError(0, f"the producer (pid {pid}) is gone; its pid may name another process now")
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size) != (f.dev, f.ino, f.size):
             raise MapError(0, f"{path} is no longer the storage the object named (the producer freed it)")
@@ -159,21 +176,31 @@ def _map_file(pid: int, f: SharedFile) -> _Mapping:
         if addr in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise MapError(err, f"mmap of {path}: {os.strerror(err)}")
-        return _Mapping(addr, f.size, pid)
+        return _Mapping(addr, pid, started, f)
     finally:
         os.close(fd)
 
 
+Key = Tuple[int, Optional[int], int, int]  # (producer pid, its start time, device, inode)
+
 class MapReader:
-    """A consumer's mappings of producers' shared files: (pid, device, inode) -> mapping, reused across reads."""
+    """A consumer's mappings of producers' shared files: (pid, start time, device, inode) -> mapping, reused
+    across reads.
+
+    Bounded: a mapping of a file its producer no longer holds (the storage was freed), of a dead producer, or
+    unused for ``ttl`` seconds goes at the next :meth:`trim` (rdt's reaper); and at most ``max_maps`` mappings
+    of ``max_bytes`` in all are kept, idle ones of freed files dropped first, then the least recently used.
+    """
 
     def __init__(self, spread: Callable[[Sequence[Part], Callable[[Sequence[Part]], None]], None], ttl: float,
-                 max_maps: int = 4096) -> None:
+                 max_maps: int = 4096, max_bytes: int = MAX_BYTES) -> None:
         """``spread(parts, fn)`` runs ``fn`` over the parts split across threads (``CmaReader.spread``)."""
         self._spread = spread
         self.ttl = ttl
         self.max_maps = max_maps
-        self._maps: "OrderedDict[Tuple[int, int, int], _Mapping]" = OrderedDict()
+        self.max_bytes = max_bytes
+        self._maps: "OrderedDict[Key, _Mapping]" = OrderedDict()  # least recently used first
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -182,12 +209,14 @@ class MapReader:
 
     def mapped_bytes(self) -> int:
         with self._lock:
-            return sum(m.size for m in self._maps.values())
+            return self._bytes
 
-    def read(self, pid: int, info: MapInfo, dests: Sequence[int], sizes: Sequence[int]) -> None:
-        """Copy buffer ``i`` (``sizes[i]`` bytes) of the object ``info`` describes in process ``pid`` to
-        ``dests[i]``. Raises :class:`MapError`; the caller then checks the object's guard on success."""
-        maps = self._acquire(pid, info.files)
+    def read(self, pid: int, info: MapInfo, dests: Sequence[int], sizes: Sequence[int],
+             started: Optional[int] = None) -> None:
+        """Copy buffer ``i`` (``sizes[i]`` bytes) of the object ``info`` describes in process ``(pid, started)``
+        (``started`` None: the process at ``pid`` now) to ``dests[i]``. Raises :class:`MapError`; the caller then
+        checks the object's guard on success."""
+        maps = self._acquire(pid, start_time(pid) if started is None else started, info.files)
         try:
             parts: List[Part] = []
             for d, (f, off), n in zip(dests, info.parts, sizes):
@@ -201,19 +230,19 @@ class MapReader:
         finally:
             self._release(maps)
 
-    def _acquire(self, pid: int, files: Sequence[SharedFile]) -> List[_Mapping]:
+    def _acquire(self, pid: int, started: Optional[int], files: Sequence[SharedFile]) -> List[_Mapping]:
         got: List[_Mapping] = []
         added = False
         try:
             for f in files:
-                key = (pid, f.dev, f.ino)
+                key = (pid, started, f.dev, f.ino)
                 with self._lock:
                     m = self._maps.get(key)
                     if m is not None:
                         m.users += 1
                         self._maps.move_to_end(key)
                 if m is None:
-                    m = _map_file(pid, f)  # outside the lock: opening and mapping may take a while
+                    m = _map_file(pid, started, f)  # outside the lock: opening and mapping may take a while
                     m.users = 1
                     with self._lock:
                         old = self._maps.get(key)
@@ -223,12 +252,13 @@ class MapReader:
                             m = old
                         else:
                             self._maps[key] = m
+                            self._bytes += m.size
                             added = True
                 got.append(m)
         except BaseException:
             self._release(got)
             raise
-        if added:  # only a new mapping can take the count over the cap
+        if added:  # only a new mapping can take the count or the bytes over the cap
             self.trim(over_cap_only=True)
         return got
 
@@ -239,29 +269,47 @@ class MapReader:
                 m.users -= 1
                 m.last = now
 
+    def _over_cap(self) -> bool:
+        return len(self._maps) > self.max_maps or self._bytes > self.max_bytes
+
     def trim(self, *, over_cap_only: bool = False, now: Optional[float] = None) -> int:
-        """Unmap idle mappings: beyond ``max_maps`` (least recently used first) and, unless ``over_cap_only``,
-        those unused for ``ttl`` seconds or of a dead producer. Returns how many were unmapped."""
+        """Unmap idle mappings: unless ``over_cap_only``, those of a file its producer no longer holds, of a dead
+        producer, or unused for ``ttl`` seconds; then, while over ``max_maps`` or ``max_bytes``, those of freed
+        files and then the least recently used. Returns how many were unmapped."""
         now = time.monotonic() if now is None else now
+        with self._lock:
+            if over_cap_only and not self._over_cap():
+                return 0
+            idle = [(key, m) for key, m in self._maps.items() if not m.users]  # least recently used first
+        stale = set()  # the checks read /proc: outside the lock
+        alive: Dict[Tuple[int, Optional[int]], bool] = {}
+        for key, m in idle:
+            who = (m.pid, m.started)
+            if who not in alive:
+                alive[who] = process_alive(*who)
+            if not alive[who] or not m.held() or (not over_cap_only and now - m.last >= self.ttl):
+                stale.add(key)
         drop: List[_Mapping] = []
         with self._lock:
-            excess = len(self._maps) - self.max_maps
-            alive: Dict[int, bool] = {}
-            for key, m in list(self._maps.items()):
-                if m.users:
-                    continue
-                stale = False
-                if excess > 0:
-                    stale, excess = True, excess - 1
-                elif not over_cap_only:
-                    if m.pid not in alive:
-                        alive[m.pid] = pid_alive(m.pid)
-                    stale = now - m.last >= self.ttl or not alive[m.pid]
-                if stale:
-                    drop.append(self._maps.pop(key))
+            for key, m in idle:  # stale ones (over the cap or not), then by age while over the cap
+                if key in stale and (not over_cap_only or self._over_cap()):
+                    drop += self._pop_idle(key)
+            for key, _ in idle:
+                if not self._over_cap():
+                    break
+                drop += self._pop_idle(key)
         for m in drop:
             _munmap(m.addr, m.size)
         return len(drop)
+
+    def _pop_idle(self, key: Key) -> List[_Mapping]:
+        """Forget the mapping at ``key`` if it is still there and unused (caller holds the lock)."""
+        m = self._maps.get(key)
+        if m is None or m.users:
+            return []
+        del self._maps[key]
+        self._bytes -= m.size
+        return [m]
 
     def close(self) -> None:
         """Unmap every mapping not in use (at shutdown)."""

@@ -27,7 +27,8 @@ class ShmState(TransportState):
     def __init__(self, config: Any) -> None:
         self.pool = SegmentPool(config.pool_bytes, config.pool_ttl)  # a producer's freed segments, for reuse
         self.cma = _cma.CmaReader()
-        self.maps = MapReader(self.cma.spread, config.pool_ttl)  # producers' shared storages this consumer maps
+        # producers' shared storages this consumer maps, at most shm_map_bytes of them
+        self.maps = MapReader(self.cma.spread, config.pool_ttl, max_bytes=config.shm_map_bytes)
         self.unmapper = _shm.DeferredUnmapper()
         self._cma_ok: Optional[bool] = None
         _shm.reap_dead_owners()

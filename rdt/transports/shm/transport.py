@@ -62,14 +62,14 @@ class ShmTransport(Transport):
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
         desc: Optional[ShmDescriptor] = meta.export("shm")
         info = desc.cma if desc is not None else None
-        if info is not None and ctx.config.shm_cma and not state(ctx).cma.denied(meta.producer.pid):
-            shm = state(ctx)
+        shm = state(ctx)
+        if info is not None and ctx.config.shm_cma and not shm.cma.denied(meta.producer.pid, meta.producer.started):
             bufs = _landings(ctx, meta, site)
             dests = bufs.addresses() if isinstance(bufs, (BlockViews, Targets)) else [b.data_ptr() for b in bufs]
             try:
                 if desc.maps is not None and ctx.config.shm_map and _read_mapped(shm, meta, desc.maps, info, dests):
                     return Fetched(bufs, "shm-map")
-                shm.cma.read(meta.producer.pid, info, dests, meta.obj_id)
+                shm.cma.read(meta.producer.pid, info, dests, meta.obj_id, meta.producer.started)
                 return Fetched(bufs, "shm-direct")
             except _cma.CmaError as e:
                 # Refused by the kernel, or the object/process is gone: ask the producer, which gives the
@@ -111,7 +111,8 @@ def _read_mapped(shm: ShmState, meta: ObjectMeta, maps: _shm_map.MapInfo, info: 
     """Copy the object from mappings of the producer's shared storages, then check its guard. False when they cannot
     be mapped (the caller reads directly instead); raises CmaError when the object is gone."""
     try:
-        shm.maps.read(meta.producer.pid, maps, dests, meta.buffers.sizes)  # the sizes the metadata carries
+        # the sizes the metadata carries
+        shm.maps.read(meta.producer.pid, maps, dests, meta.buffers.sizes, started=meta.producer.started)
     except _shm_map.MapError as e:
         logger.debug("rdt: mapping the shared storages of %s failed (%s); reading directly", meta.id_hex, e)
         return False
@@ -130,15 +131,15 @@ def _map(ctx: Any, meta: ObjectMeta, name: str, layout: Any) -> List[torch.Tenso
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """Producer: write the object into a segment (once) and tell the consumer where it is."""
-    entry = ctx.table.get(payload[:16]) if len(payload) >= 16 else None
-    if entry is None:
-        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
-    wait_ready(entry)
-    with entry.lock:
+    with ctx.table.exporting(payload[:16]) as entry:
+        if entry is None or len(payload) < 16:
+            return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+        wait_ready(entry)
         seg = entry.exports.get("shm")
         if seg is None:
             seg = entry.exports["shm"] = state(ctx).pool.write([b.cpu() for b in entry.buffers], entry.obj_id)
-    ctx.stats.add("shm", "out", entry.nbytes)
+        nbytes = entry.nbytes
+    ctx.stats.add("shm", "out", nbytes)
     body = struct.pack("!I", len(seg.layout)) + b"".join(struct.pack("!QQ", o, n) for o, n in seg.layout)
     return _control.RESP_OK, seg.name.encode() + b"\0" + body
 

@@ -1,0 +1,187 @@
+"""Where a run stands: suite k of n, cases done of all, elapsed time and an estimate of the time left.
+
+A terminal gets one progress bar on its last line, redrawn below the log lines; anything else (a CI log, a pipe)
+gets plain ``rdt-bench progress:`` lines at each suite's start and end and at most every ``every_s`` seconds
+between. The time left weighs each case by a rough cost estimate (a 128 MiB case costs more than a 4 KiB one),
+scaled by how fast this machine has gone through the cases so far. No Ray here: the unit tests drive it with a
+fake clock.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, Optional, Sequence, TextIO, Tuple
+
+PRIOR_S = 30.0  # estimated seconds of cases the pace is assumed to be 1.0 over, until the cases done outweigh it
+LINE_EVERY_S = 10.0  # plain lines: at most one per this many seconds between a suite's start and end
+TICK_S = 1.0  # terminal: the bar is redrawn this often, so the elapsed time moves during a long case
+BAR_WIDTH = 24
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    """One suite's cases, each a key (what the suite marks done) and its estimated cost in seconds."""
+
+    name: str
+    cases: Tuple[Tuple[Hashable, float], ...]
+
+
+def fmt_duration(seconds: float) -> str:
+    """45s, 3m05s, 1h02m."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Tracks the plan of a run and reports it on ``stream``; ``write`` prints a log line without breaking the bar."""
+
+    def __init__(self, plan: Sequence[SuitePlan], stream: Optional[TextIO] = None, tty: Optional[bool] = None,
+                 clock: Callable[[], float] = time.monotonic, every_s: float = LINE_EVERY_S) -> None:
+        self.plan = list(plan)
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(tty if tty is not None else getattr(self.stream, "isatty", lambda: False)())
+        self.clock = clock
+        self.every_s = every_s
+        self._cost: Dict[Hashable, float] = {k: c for s in self.plan for k, c in s.cases}
+        self._done: Dict[Hashable, bool] = {}  # key -> whether it ran (False: skipped when its suite ended)
+        self._suite = -1
+        self._t0 = clock()
+        self._last_line = float("-inf")
+        self._bar_shown = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ticker: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def cases_total(self) -> int:
+        return len(self._cost)
+
+    @property
+    def cases_done(self) -> int:
+        return len(self._done)
+
+    @property
+    def skipped(self) -> int:
+        return sum(1 for ran in self._done.values() if not ran)
+
+    def elapsed(self) -> float:
+        return self.clock() - self._t0
+
+    def time_left(self) -> float:
+        """Estimated seconds left: the remaining cases' cost, times this run's pace so far (seconds per estimated
+        second, pulled towards 1.0 while few cases are done)."""
+        done = sum(c for k, c in self._cost.items() if self._done.get(k))
+        left = sum(c for k, c in self._cost.items() if k not in self._done)
+        pace = (self.elapsed() + PRIOR_S) / (done + PRIOR_S)
+        return left * pace
+
+    def status(self) -> str:
+        """suite 2/4 allreduce, cases 37/212 (17%), elapsed 1m12s, about 6m40s left"""
+        n = len(self.plan)
+        name = self.plan[self._suite].name if 0 <= self._suite < n else "-"
+        total = self.cases_total
+        pct = 100 * self.cases_done // total if total else 100
+        skipped = f" ({self.skipped} skipped)" if self.skipped else ""
+        return (f"suite {max(self._suite, 0) + 1}/{n} {name}, cases {self.cases_done}/{total} ({pct}%){skipped}, "
+                f"elapsed {fmt_duration(self.elapsed())}, about {fmt_duration(self.time_left())} left")
+
+    def bar(self, columns: int) -> str:
+        """The terminal line: a bar, then the status, cut to ``columns``."""
+        total = self.cases_total
+        filled = BAR_WIDTH * self.cases_done // total if total else BAR_WIDTH
+        return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {self.status()}"[:max(columns - 1, 0)]
+
+    # ------------------------------------------------------------------ events
+    def start_suite(self, name: str) -> None:
+        """The suite ``name`` of the plan begins."""
+        with self._lock:
+            self._suite = next(i for i, s in enumerate(self.plan) if s.name == name)
+            self._report(force=True)
+
+    def done(self, *keys: Hashable) -> None:
+        """These cases are finished (measured or failed); keys already done or not in the plan are ignored."""
+        with self._lock:
+            new = [k for k in keys if k in self._cost and k not in self._done]
+            for k in new:
+                self._done[k] = True
+            if new:
+                self._report(force=False)
+
+    def finish_suite(self) -> None:
+        """The current suite ended: its cases not marked done did not run (a failure skipped them)."""
+        with self._lock:
+            if 0 <= self._suite < len(self.plan):
+                for k, _ in self.plan[self._suite].cases:
+                    self._done.setdefault(k, False)
+            self._report(force=True)
+
+    def write(self, msg: str) -> None:
+        """One log line; on a terminal the bar is cleared first and drawn again under it."""
+        with self._lock:
+            if self.tty and self._bar_shown:
+                self.stream.write("\r\x1b[K")
+            self.stream.write(msg + "\n")
+            if self.tty and self._suite >= 0:
+                self._draw()
+            self.stream.flush()
+
+    def _report(self, force: bool) -> None:
+        if self.tty:
+            self._draw()
+        elif force or self.clock() - self._last_line >= self.every_s:
+            self.stream.write(f"rdt-bench progress: {self.status()}\n")
+            self._last_line = self.clock()
+        self.stream.flush()
+
+    def _draw(self) -> None:
+        self.stream.write("\r\x1b[K" + self.bar(shutil.get_terminal_size().columns))
+        self._bar_shown = True
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> "Progress":
+        global _active
+        _active = self
+        if self.tty:
+            self._ticker = threading.Thread(target=self._tick, name="rdt-bench-progress", daemon=True)
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _active
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2 * TICK_S)
+        with self._lock:
+            if self.tty and self._bar_shown:
+                self.stream.write("\n")  # leave the last bar on screen
+                self._bar_shown = False
+                self.stream.flush()
+        if _active is self:
+            _active = None
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            with self._lock:
+                if self._suite >= 0 and not self._stop.is_set():
+                    self._draw()
+                    self.stream.flush()
+
+
+_active: Optional[Progress] = None
+
+
+def emit(msg: str) -> None:
+    """A log line of the run: through the active progress report, else straight to stderr."""
+    if _active is not None:
+        _active.write(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,109 @@
+"""rdt-bench's progress report (benchmarks/_progress.py): counts, the time-left estimate, the plain-line format and
+its pacing, the terminal bar around log lines. A fake clock and a string stream; no Ray."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from benchmarks._progress import PRIOR_S, Progress, SuitePlan, fmt_duration
+
+LINE = re.compile(r"^rdt-bench progress: suite (\d+)/(\d+) (\S+), cases (\d+)/(\d+) \((\d+)%\)( \(\d+ skipped\))?, "
+                  r"elapsed (\S+), about (\S+) left$")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _plan() -> list:
+    return [SuitePlan("p2p", (("a", 10.0), ("b", 30.0))), SuitePlan("objects", (("c", 60.0),))]
+
+
+def _lines(out: io.StringIO) -> list:
+    return [ln for ln in out.getvalue().splitlines() if ln.startswith("rdt-bench progress:")]
+
+
+def test_fmt_duration() -> None:
+    assert [fmt_duration(s) for s in (0, 44.6, 60, 185, 3599, 3720)] == ["0s", "45s", "1m00s", "3m05s", "59m59s",
+                                                                          "1h02m"]
+
+
+def test_time_left_is_the_remaining_cost_at_this_runs_pace() -> None:
+    clock = Clock()
+    p = Progress(_plan(), stream=io.StringIO(), tty=False, clock=clock)
+    assert p.cases_total == 3 and p.cases_done == 0
+    assert p.time_left() == 100.0  # nothing done, nothing elapsed: the estimates as they are
+    p.start_suite("p2p")
+    clock.t += 2 * (10.0 + PRIOR_S) - PRIOR_S  # "a" took twice its estimate
+    p.done("a")
+    assert p.cases_done == 1
+    assert abs(p.time_left() - 90.0 * 2) < 1e-9  # the 90 estimated seconds left, at pace 2
+    p.done("a", "not-in-the-plan")  # repeated and unknown keys change nothing
+    assert p.cases_done == 1
+
+
+def test_plain_lines_format_and_pacing() -> None:
+    clock, out = Clock(), io.StringIO()
+    p = Progress(_plan(), stream=out, tty=False, clock=clock, every_s=10.0)
+    p.start_suite("p2p")  # a suite's start always gets a line
+    clock.t += 1
+    p.done("a")  # 1 s after the last line: none
+    clock.t += 65
+    p.write("p2p rdt-gloo 4 KiB ...")  # log lines go through unchanged, no escape codes
+    p.done("b")  # 66 s after: a line
+    p.finish_suite()  # a suite's end always gets a line
+    lines = _lines(out)
+    assert len(lines) == 3, out.getvalue()
+    m = [LINE.match(ln) for ln in lines]
+    assert all(m), lines
+    assert m[0].groups()[:6] == ("1", "2", "p2p", "0", "3", "0")
+    assert m[1].groups()[:6] == ("1", "2", "p2p", "2", "3", "66")
+    assert m[1].group(8) == "1m06s"
+    assert "\x1b" not in out.getvalue() and "\r" not in out.getvalue()
+    assert "p2p rdt-gloo 4 KiB ...\n" in out.getvalue()
+
+
+def test_a_suite_that_ends_early_counts_its_rest_as_skipped() -> None:
+    clock, out = Clock(), io.StringIO()
+    p = Progress(_plan(), stream=out, tty=False, clock=clock)
+    p.start_suite("p2p")
+    p.done("a")
+    p.finish_suite()  # "b" never ran (its case failed)
+    assert (p.cases_done, p.skipped) == (2, 1)
+    assert LINE.match(_lines(out)[-1]).group(7) == " (1 skipped)"
+    p.start_suite("objects")
+    clock.t += 40
+    # the skipped case weighs nothing: the pace is that of "a" alone, (40 + PRIOR_S) / (10 + PRIOR_S)
+    assert abs(p.time_left() - 60.0 * (40 + PRIOR_S) / (10 + PRIOR_S)) < 1e-9
+    assert LINE.match(_lines(out)[-1]).groups()[:3] == ("2", "2", "objects")
+
+
+def test_terminal_bar_redrawn_under_log_lines() -> None:
+    out = io.StringIO()
+    p = Progress(_plan(), stream=out, tty=True, clock=Clock())
+    p.start_suite("p2p")
+    p.done("a")
+    p.write("a log line")
+    text = out.getvalue()
+    assert "rdt-bench progress:" not in text  # no plain lines on a terminal
+    before, after = text.split("a log line\n")
+    assert before.endswith("\r\x1b[K")  # the bar was cleared before the line
+    assert after.startswith("\r\x1b[K[") and "cases 1/3" in after  # and drawn again under it
+    assert p.bar(40) == p.bar(40)[:39] and len(p.bar(40)) == 39  # cut to the terminal's width
+    assert p.bar(200).startswith("[" + "#" * 8 + "." * 16 + "] suite 1/2 p2p, cases 1/3")
+
+
+def test_emit_goes_through_the_active_report(capsys) -> None:
+    from benchmarks import _progress
+
+    out = io.StringIO()
+    with Progress(_plan(), stream=out, tty=False, clock=Clock()):
+        _progress.emit("inside")
+    _progress.emit("outside")
+    assert out.getvalue() == "inside\n"
+    assert capsys.readouterr().err == "outside\n"
