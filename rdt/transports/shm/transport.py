@@ -62,8 +62,9 @@ class ShmTransport(Transport):
     def fetch(self, ctx: Any, meta: ObjectMeta, site: Site, deadline: float) -> Fetched:
         desc: Optional[ShmDescriptor] = meta.export("shm")
         info = desc.cma if desc is not None else None
-        shm = state(ctx)
-        if info is not None and ctx.config.shm_cma and not shm.cma.denied(meta.producer.pid, meta.producer.started):
+        producer = meta.producer
+        if info is not None and ctx.config.shm_cma and not state(ctx).cma.denied(producer.pid, producer.started):
+            shm = state(ctx)
             bufs = _landings(ctx, meta, site)
             dests = bufs.addresses() if isinstance(bufs, (BlockViews, Targets)) else [b.data_ptr() for b in bufs]
             try:
