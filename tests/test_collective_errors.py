@@ -436,13 +436,8 @@ def send_values(name: str, n: int, timeout: float) -> None:
     rt.send(torch.arange(n, dtype=torch.float32), 1, name, timeout=timeout)
 
 
-_LATE_XFAIL = pytest.mark.xfail(strict=True, reason="issue 29: a late NIXL send writes into a failed recv's tensor")
-
-
 @pytest.mark.parametrize("destroy", [False, True], ids=["errored", "destroyed"])
-@pytest.mark.parametrize("backend,n", [pytest.param("nixl", 1 << 18, marks=_LATE_XFAIL),
-                                       pytest.param("nixl", 8 << 20, marks=_LATE_XFAIL), ("ucx", 8 << 20),
-                                       ("tcp", 8 << 20)])
+@pytest.mark.parametrize("backend,n", [("nixl", 1 << 18), ("nixl", 8 << 20), ("ucx", 8 << 20), ("tcp", 8 << 20)])
 def test_a_late_send_never_writes_into_a_failed_recv(ew, backend: str, n: int, destroy: bool) -> None:
     _require(backend)
     name = f"late-{backend}-{n}-{int(destroy)}"

@@ -376,7 +376,6 @@ SENTINEL = -7.0
 LATE_SIZES = [pytest.param(1 << 10, id="eager-4KiB"), pytest.param(1 << 18, id="nixl-write-1MiB"),
               pytest.param(8 << 20, id="rdt-cma-32MiB")]
 RECV_TIMEOUT = 0.3
-_XFAIL = pytest.mark.xfail(strict=True, reason="issue 29: a late send writes into a failed recv's tensor")
 
 
 def _warm(b0: NixlBackend, b1: NixlBackend) -> None:
@@ -424,7 +423,6 @@ def _assert_cancelled(outcome: object, tag: int) -> None:
     assert "cancelled" in str(outcome) and f"tag {tag}" in str(outcome) and outcome.peer == 1, outcome
 
 
-@_XFAIL
 @pytest.mark.parametrize("n", LATE_SIZES)
 def test_a_late_send_never_writes_into_a_timed_out_recv(pair, n: int) -> None:
     """Rank 1's recv times out; rank 0 then sends: the send fails saying rank 1 cancelled, the tensor keeps its
@@ -444,7 +442,6 @@ def test_a_late_send_never_writes_into_a_timed_out_recv(pair, n: int) -> None:
     assert not b1._cancelled and not b0._sends and not b1._recvs and not b0._mailbox and not b1._mailbox
 
 
-@_XFAIL
 @pytest.mark.parametrize("n", LATE_SIZES)
 def test_a_late_send_after_the_receiver_destroyed_its_group_writes_nothing(pair, n: int) -> None:
     """Rank 1's recv times out and rank 1 shuts its side down at once; rank 0's later send must not write into the
@@ -463,7 +460,6 @@ def test_a_late_send_after_the_receiver_destroyed_its_group_writes_nothing(pair,
     assert _untouched(t)
 
 
-@_XFAIL
 def test_a_cancelled_recv_holds_its_tensor_until_the_sender_answers(pair) -> None:
     """While the sender has not answered the cancel, the receive's tensor and registration stay held (so nothing
     the sender might still write can land in freed memory); the sender's answer drains the table to zero, and a
@@ -491,7 +487,6 @@ def test_a_cancelled_recv_holds_its_tensor_until_the_sender_answers(pair) -> Non
     assert not b0._sends and not b0._mailbox and not b0._peer_cancels
 
 
-@_XFAIL
 def test_cancelled_receives_are_bounded(pair, monkeypatch) -> None:
     """Cancelled receives nobody answers cannot pile up: past the cap a new receive is refused with a typed error
     naming the fix, and the table drains once the sender answers."""
@@ -513,7 +508,6 @@ def test_cancelled_receives_are_bounded(pair, monkeypatch) -> None:
     assert torch.equal(src, dst)
 
 
-@_XFAIL
 @pytest.mark.parametrize("end", ["abort", "shutdown"])
 @pytest.mark.parametrize("n", LATE_SIZES[1:])
 def test_a_late_send_never_writes_into_a_recv_ended_by_abort_or_shutdown(pair, n: int, end: str) -> None:
@@ -532,3 +526,43 @@ def test_a_late_send_never_writes_into_a_recv_ended_by_abort_or_shutdown(pair, n
     _drive((b0,), 0.3)
     assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written after the recv failed"
     _assert_cancelled(sent, 30)
+
+
+@pytest.mark.parametrize("cma", [True, False], ids=["rdt-cma", "nixl-write"])
+def test_a_recv_that_times_out_mid_transfer_is_never_written_after_its_error(monkeypatch, cma: bool) -> None:
+    """The sender starts just before, at or after the receiver's deadline, so some timeouts hit a copy or WRITE in
+    flight: whatever the receive returns, no byte of its tensor changes once it has raised (the receive waits for
+    the sender to stop), and one that returns has the whole message."""
+    monkeypatch.setenv("RDT_NIXL_CMA", "1" if cma else "0")
+    b0, b1 = make_pair()
+    try:
+        _warm(b0, b1)
+        n = 16 << 20  # 64 MiB
+        src = torch.arange(n, dtype=torch.float32)
+        outcomes = []
+        for i, lead in enumerate((0.03, 0.01, 0.0, -0.01, -0.03)):
+            t = torch.full((n,), SENTINEL)
+            tag = 40 + i
+            seen: List[torch.Tensor] = []
+
+            def receive() -> object:
+                err = _outcome(lambda: b1.irecv(t, 0, tag).wait(0.2))
+                seen.append(t.clone())  # what the tensor held when the receive returned or raised
+                return err
+
+            def send() -> object:
+                time.sleep(0.2 - lead)
+                return _outcome(lambda: b0.isend(src, 1, tag).wait(5.0))
+
+            got, sent = run_both(receive, send)
+            _drive((b0, b1), 0.3)
+            assert torch.equal(t, seen[0]), f"lead {lead}: the tensor changed after the receive returned ({got!r})"
+            if got is None:
+                assert torch.equal(t, src) and sent is None
+            else:
+                assert isinstance(got, CollectiveTimeoutError), got
+            outcomes.append("ok" if got is None else "timeout")
+        assert not b1._cancelled and not b1._recvs and not b0._sends
+    finally:
+        b0.shutdown()
+        b1.shutdown()
