@@ -566,3 +566,22 @@ def test_a_recv_that_times_out_mid_transfer_is_never_written_after_its_error(mon
     finally:
         b0.shutdown()
         b1.shutdown()
+
+
+@pytest.mark.parametrize("n", LATE_SIZES[1:])
+def test_a_timed_out_send_never_delivers_later(pair, n: int) -> None:
+    """A send that timed out before the receiver was ready is withdrawn: when the receiver posts later, the
+    sender (which changed its tensor after the error, as a caller may) writes nothing, so the receiver can never
+    get those bytes as a successful message."""
+    b0, b1 = pair
+    _warm(b0, b1)
+    src = torch.arange(n, dtype=torch.float32)
+    with pytest.raises(CollectiveTimeoutError):
+        b0.isend(src, 1, 50).wait(RECV_TIMEOUT)
+    src.fill_(123.0)  # the caller reuses its tensor after the failed send
+    t = torch.full((n,), SENTINEL)
+    got = run_both(lambda: _drive((b0,), 1.0), lambda: _outcome(lambda: b1.irecv(t, 0, 50).wait(0.5)))[1]
+    _drive((b0, b1), 0.3)
+    assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written by a send that had failed"
+    assert isinstance(got, CollectiveTimeoutError), got
+    assert not b0._sends
