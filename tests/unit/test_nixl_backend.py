@@ -585,3 +585,37 @@ def test_a_timed_out_send_never_delivers_later(pair, n: int) -> None:
     assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written by a send that had failed"
     assert isinstance(got, CollectiveTimeoutError), got
     assert not b0._sends
+
+
+def test_a_cancelled_recv_is_released_when_its_sender_dies_or_at_shutdown(pair) -> None:
+    """The held tensor of a cancelled receive goes when its same-node sender's process is gone (its pid watched,
+    as for waits) or when the backend shuts down, answer or not."""
+    import gc
+    import subprocess
+    import weakref
+
+    b0, b1 = pair
+    _warm(b0, b1)
+    refs = []
+    for tag in (60, 61):
+        t = _failed_recv(b1, 1 << 18, tag)  # rank 0 does not progress: no answer
+        refs.append(weakref.ref(t))
+        del t
+    assert len(b1._cancelled) == 2
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now, as if rank 0 had died
+    real = b1._peer_pids[0]
+    b1._peer_pids[0] = child.pid
+    try:
+        _drive((b1,), 0.2)
+    finally:
+        b1._peer_pids[0] = real
+    assert not b1._cancelled
+    gc.collect()
+    assert all(r() is None for r in refs)
+    t = _failed_recv(b1, 1 << 18, 62)
+    ref = weakref.ref(t)
+    del t
+    b1.shutdown()
+    gc.collect()
+    assert not b1._cancelled and ref() is None
