@@ -431,6 +431,54 @@ def test_recv_timeout_errors_only_that_group(ew, pair_groups, backend: str) -> N
     assert _state(ew[0], name) is None and _state(ew[1], name) is None
 
 
+# ---------------------------------------------------------------------------------------------- late sends
+# A recv that failed never has its tensor written afterwards: rank 1's recv times out (its group errors and aborts),
+# rank 0 (whose group has not noticed yet) sends late; its send must fail, and rank 1's tensor keeps its bytes.
+# 32 MiB goes by rdt's process_vm_writev on a same-node NIXL group, 1 MiB by a NIXL WRITE.
+_HELD: Dict[str, torch.Tensor] = {}  # (worker side) the tensor each failed recv was given
+_SENTINEL = -7.0
+
+
+def recv_into_held(name: str, n: int, timeout: float) -> None:
+    """(worker side) recv ``n`` float32 from rank 0 into a sentinel-filled tensor kept after the call."""
+    t = _HELD[name] = torch.full((n,), _SENTINEL)
+    rt.recv(t, 0, name, timeout=timeout)
+
+
+def held_written(name: str) -> int:
+    """(worker side) how many elements of the failed recv's tensor changed."""
+    return int((_HELD[name] != _SENTINEL).sum())
+
+
+def send_values(name: str, n: int, timeout: float) -> None:
+    rt.send(torch.arange(n, dtype=torch.float32), 1, name, timeout=timeout)
+
+
+@pytest.mark.parametrize("backend,n,destroy", [
+    ("nixl", 1 << 18, False), ("nixl", 1 << 18, True), ("nixl", 8 << 20, False), ("nixl", 8 << 20, True),
+    ("ucx", 8 << 20, False), ("tcp", 8 << 20, False)])
+def test_a_late_send_never_writes_into_a_failed_recv(ew, backend: str, n: int, destroy: bool) -> None:
+    _require(backend)
+    name = f"late-{backend}-{n}-{int(destroy)}"
+    handle = rt.create_collective_group(ew[:2], backend=backend, group_name=name)
+    try:
+        _assert_pair_works(ew[:2], name)  # the pair has talked: its connections are up
+        err, _, _ = _one(ew[1], recv_into_held, name, n, 1.0)
+        assert_error(err, CollectiveTimeoutError, group=name, rank=1, op="recv")
+        if destroy:
+            _one(ew[1], cc.destroy_local, name)
+        err, _, seconds = _one(ew[0], send_values, name, n, 5.0)
+        time.sleep(0.5)
+        written = _one(ew[1], held_written, name)[1]
+        assert written == 0, f"{written} of {n} elements were written after the recv failed"
+        assert err is not None and issubclass(err.cls, rt.CommunicationError), f"the late send returned {err!r}"
+        if backend == "nixl":
+            assert "cancelled" in str(err), err
+            assert seconds < 2.0, f"the late send failed only after {seconds:.1f}s"
+    finally:
+        handle.destroy(timeout=10)
+
+
 # ---------------------------------------------------------------------------------------------- killed peer
 # What the survivor observes when its peer is killed while it is blocked (asserted exactly per backend):
 # Gloo, UCX and tcp notice the closed connection at once; a same-node NIXL group runs without UCX error handling

@@ -7,7 +7,13 @@ the endpoint's random tag on listener pairs, so posting order does not matter an
   inside it, after the header (one message, one copy on each side); larger or CUDA payloads follow on ``t`` itself.
 * ``REPLY(t)``: the receiver's verdict, ACK or NACK with what it expected. A NACK makes both sides raise
   TensorMismatchError; the sender sends a separate payload only after an ACK, so it never blocks on a receiver that
-  will not take it and large payloads stay out of UCX's unexpected-message queue.
+  will not take it and large payloads stay out of UCX's unexpected-message queue. CANCEL: the receive timed out
+  before it answered; it is withdrawn (a header that comes later lands in a spare buffer, never in the tensor) and
+  the send fails with CommunicationError saying so.
+
+A wait that times out withdraws its operation when nothing of the caller's tensor is in UCX's hands yet (a
+receive that has not answered, a send whose payload is not posted): it never reads or writes that tensor later.
+Otherwise (the payload is moving) the wait gives it as long again, then raises with the operation still posted.
 
 The receiver posts its HDR receive with room for the largest inline payload, so a message is never truncated
 whatever the two sides' sizes are; it decides from the header alone whether a payload follows.
@@ -25,6 +31,7 @@ from ._ucx_progress import Op
 # Control record: kind, dtype code, flags, tag, nbytes, reserved (same layout as the connection's control tag).
 CTL = struct.Struct("<BBHIQQ")
 HDR, ACK, NACK = 1, 2, 3
+CANCEL = 5  # a verdict: the receive was withdrawn (4 is BYE on the connection's control tag)
 INLINE = 1  # flag: the payload follows the header in the same message
 INLINE_MAX = 64 << 10
 AGREED_MAX = 16  # (size, dtype) pairs per peer whose small sends skip waiting for their own verdict
@@ -57,6 +64,8 @@ class P2POp(Op):
         self.advance()
 
     def advance(self) -> None:
+        if self.done:  # withdrawn by its timed-out wait: it takes no further step
+            return
         if self.state is None:
             state = self.backend._peers.get(self.peer)
             if state is not None and state.error is not None:
@@ -74,6 +83,11 @@ class P2POp(Op):
 
     def begin(self) -> None:
         """Post the first requests on the connected pair."""
+
+    def withdraw(self, error: BaseException) -> bool:
+        """Its wait timed out: end it with ``error`` when UCX holds nothing of the tensor yet (engine lock held);
+        False while a payload is moving."""
+        return False
 
     def step(self) -> None:
         """Take the next step when the requests allow it."""
@@ -155,6 +169,8 @@ class SendOp(P2POp):
         if not self.reply_req.completed:
             return
         kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(self.verdict))
+        if kind == CANCEL:
+            raise self.backend._cancelled(self.peer, self.tag, self.nbytes)
         if kind != ACK:
             raise self.mismatch(their_nbytes, their_dcode)
         agreed = self.state.agreed
@@ -172,10 +188,20 @@ class SendOp(P2POp):
         if _all_done(self.reqs):
             self.finish()
 
+    def withdraw(self, error: BaseException) -> bool:
+        """A send whose payload is not posted yet ends (an inline one is out already, and only that copy goes)."""
+        if self.state is not None and self.data_req is not None and not self.inline:
+            return False
+        self.finish(error)
+        return True
+
     def _prev_verified(self) -> bool:
         """True once the previous send's verdict is in; raises when it refused a fast send (which completed)."""
         prev = self.prev
         if prev is None:
+            return True
+        if prev.error is not None:  # failed or withdrawn: its verdict may never come, and nobody waits for it
+            self.prev = None
             return True
         if not prev.reply_req.completed:
             return False
@@ -184,6 +210,8 @@ class SendOp(P2POp):
         kind, their_dcode, _, _, their_nbytes, _ = CTL.unpack(bytes(prev.verdict))
         if prev.done:  # its own step read the verdict already (or never will): this was the last reader
             self.backend._give_buffer(prev.spare)
+        if kind == CANCEL and prev.fast:
+            raise self.backend._cancelled(self.peer, prev.tag, prev.nbytes, later=self.tag)
         if kind != ACK and prev.fast:
             self.state.agreed.clear()
             raise self.backend._late_mismatch(self.peer, self.tag, prev.tag, prev.nbytes, prev.dcode, their_nbytes,
@@ -195,6 +223,16 @@ class RecvOp(P2POp):
     """Header (maybe with the payload), check it, answer; the payload lands in the user's tensor."""
 
     kind = "recv"
+
+    def withdraw(self, error: BaseException) -> bool:
+        """A receive that has not answered the header ends and tells the sender (CANCEL); after its ACK the
+        payload is on its way into the tensor, so it stays."""
+        if self.data_req is not None:
+            return False
+        self.finish(error)
+        if self.state is not None:
+            self.reply(CANCEL)
+        return True
 
     def begin(self) -> None:
         self.spare = self.backend._take_buffer(CTL.size + INLINE_MAX)

@@ -52,7 +52,11 @@ class Work(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, timeout: float) -> None:
-        """Block until done; raise CollectiveTimeoutError / PeerUnavailableError / TensorMismatchError."""
+        """Block until done; raise CollectiveTimeoutError / PeerUnavailableError / TensorMismatchError.
+
+        A wait that times out ends the operation where the backend can take it back (tcp, nccl, nixl, ucx): it
+        then never reads or writes its tensor afterwards, and waiting again is not supported. docs/fault-model.md
+        says per backend what a timed-out operation may still do."""
 
     def is_completed(self) -> bool:  # pragma: no cover - optional
         return False

@@ -12,6 +12,14 @@ Protocol (per transfer, matched on (peer, tag) so that posting order does not ma
    registration metadata if it has not seen that registration yet, and posts a WRITE whose completion
    notification is an authenticated DONE message; NIXL delivers it only after the data has landed.
 3. ``irecv``'s Work completes when that DONE arrives.
+4. A receive that ends without its DONE (timeout, abort, shutdown) sends the sender a CANCEL, and while the sender
+   may still write into its buffer (a registered RTR went out) it keeps the tensor and its registration until the
+   sender answers CANCEL_ACK, dies, or the backend shuts down (bounded: MAX_CANCELLED, past which new receives are
+   refused). A timed-out receive first waits _CANCEL_GRACE_S for that answer; a sender whose WRITE is in flight
+   answers CANCEL_BUSY at once and the receive then waits as long again for the WRITE to end (if its DONE arrives
+   meanwhile, the receive completes: the data is whole). The sender reads every notification that has arrived
+   before it starts a write, and between 64 MiB pieces of its own CMA copy: a cancelled receive is never written
+   after its sender has seen the cancel, and a send for a cancelled tag fails with CommunicationError naming it.
 
 Security: nothing received from the network is unpickled (NIXL's ``deserialize_descs`` uses pickle, so it is
 never used). Every notification must carry a valid HMAC and a well-formed size; others are dropped and counted
@@ -103,7 +111,12 @@ _KIND_NACK = 3
 _KIND_EAGER = 4  # a small message's data inside the notification itself (no WRITE, no wait for the RTR)
 _KIND_EAGER_ACK = 5  # the receiver took an EAGER message: the send completes (so delivery is certain)
 _KIND_EAGER_NACK = 6  # the receiver refused an EAGER message: the send fails with the mismatch
-_KINDS = (_KIND_RTR, _KIND_DONE, _KIND_NACK, _KIND_EAGER, _KIND_EAGER_ACK, _KIND_EAGER_NACK)
+_KIND_CANCEL = 7  # the receive of this tag ended without its data: write nothing into its buffer
+_KIND_CANCEL_ACK = 8  # the sender saw the CANCEL: nothing more will be written for this tag (any WRITE has ended)
+_KIND_CANCEL_BUSY = 9  # the sender saw the CANCEL while its WRITE of this tag runs: the ACK follows when it ends
+_TO_RECEIVER = (_KIND_EAGER, _KIND_DONE, _KIND_NACK, _KIND_CANCEL_ACK, _KIND_CANCEL_BUSY)  # about a receive
+_KINDS = (_KIND_RTR, _KIND_DONE, _KIND_NACK, _KIND_EAGER, _KIND_EAGER_ACK, _KIND_EAGER_NACK, _KIND_CANCEL,
+          _KIND_CANCEL_ACK, _KIND_CANCEL_BUSY)
 # magic, version, kind, src, dst, tag, nbytes, dtype, addr, length, devid, memtype, reg_id, reg_base, reg_len, md_len
 _HEADER = struct.Struct("!4sBBIIIQBQQIBQQQI")
 _MAC_LEN = 32
@@ -123,6 +136,16 @@ EAGER_MAX_BYTES = 32 << 10
 CMA_MIN_BYTES = 16 << 20
 CMA_THREADS = max(1, min(4, os.cpu_count() or 1))
 EAGER_WINDOW = 64  # unacknowledged EAGER messages per peer; past it a send waits for the receiver's RTR
+# Cancelled receives whose sender has not answered yet, each holding its tensor and registration; past this many a
+# new receive is refused (the peer does not progress: the group needs re-creating).
+MAX_CANCELLED = 256
+_CANCEL_RECORDS = 4096  # cancelled tags remembered without a buffer (sends not posted yet, small receives)
+# How long a timed-out receive waits for its sender's answer to the CANCEL. A sender that progresses answers within
+# a millisecond or so (its CMA copy looks between 64 MiB pieces, ~10 ms each here); one that does not progress is
+# not writing, and reads the CANCEL before it ever starts a write.
+_CANCEL_GRACE_S = 0.2
+_SHUTDOWN_FLUSH_S = 0.05  # shutdown progresses this long for outstanding CANCELs to leave (and answers to come)
+_CMA_PIECE = 64 << 20  # the CMA copy looks for a CANCEL between pieces of this size
 # Stable dtype codes (index in this tuple); names missing from this torch build are skipped.
 _DTYPE_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
@@ -371,6 +394,11 @@ class _NixlWork(Work):
         self.rtr: Optional[_Msg] = None  # send: the matching ready-to-receive
         self.xfer: Any = None  # send: the NIXL transfer handle while the WRITE runs
         self.xfer_key: Optional[Tuple] = None  # send: its key in the backend's handle cache (None: not cached)
+        self.writing = False  # send: rdt's CMA copy into the receiver runs (it looks for a CANCEL between pieces)
+        self.cancelled = False  # send: the receiver cancelled during that copy
+        self.ack_cancel = False  # send: the receiver cancelled while the WRITE ran: answer when it ends
+        self.landed = False  # recv, cancelled: the sender's DONE came after all (the data is whole)
+        self.busy = False  # recv, cancelled: the sender said its WRITE runs (the ACK follows)
         self.phase = "waiting for the receiver's ready-to-receive" if op == "send" else "waiting for the data"
 
     def wait(self, timeout: float) -> None:
@@ -445,6 +473,13 @@ class NixlBackend(Backend):
         self._mailbox: Dict[Tuple[int, int, int], _Msg] = {}  # (peer, kind, tag) -> unmatched message
         self._eager_out: Dict[int, int] = collections.Counter()  # peer -> EAGER sends awaiting their ACK
         self._eager_parked: Dict[int, int] = collections.Counter()  # peer -> EAGER messages parked in the mailbox
+        # Receiver: cancelled receives the sender may still write into, held until it answers (see the protocol).
+        self._cancelled: Dict[Tuple[int, int], _NixlWork] = {}
+        self._cancelled_small: "collections.OrderedDict[Tuple[int, int], None]" = collections.OrderedDict()
+        # Sender: CANCELs for sends not posted yet (such a send fails at once; a late RTR for it is dropped).
+        self._peer_cancels: "collections.OrderedDict[Tuple[int, int], None]" = collections.OrderedDict()
+        self._cancel_due = False  # abort() could not take the lock: the next holder cancels the pending receives
+        self._reap_at = 0.0  # when progress() next checks that the senders of cancelled receives still live
         config.rendezvous.put(f"nixl/md/{config.rank}", bytes(self._agent.get_agent_metadata()))
 
     # ------------------------------------------------------------------ helpers
@@ -560,6 +595,11 @@ class NixlBackend(Backend):
             if (peer, tag) in self._sends:
                 raise CommunicationError(f"a send with tag {tag} to rank {peer} is already pending",
                                          **self._ctx(peer, "send"), hint="tags must be unique per (src, dst) pair")
+            self._drain()  # a CANCEL that has arrived is seen before anything is sent
+            if (peer, tag) in self._peer_cancels:
+                del self._peer_cancels[(peer, tag)]
+                self._finish(work, self._cancelled_error(work))
+                return work
             self._sends[(peer, tag)] = work
             rtr = self._mailbox.pop((peer, _KIND_RTR, tag), None)
             if rtr is not None:
@@ -593,9 +633,16 @@ class NixlBackend(Backend):
         work = _NixlWork(self, "recv", peer, tag, tensor)
         with self._lock:
             self._check_open("recv", peer)
-            if (peer, tag) in self._recvs:
+            if (peer, tag) in self._recvs or (peer, tag) in self._cancelled:
                 raise CommunicationError(f"a recv with tag {tag} from rank {peer} is already pending",
                                          **self._ctx(peer, "recv"), hint="tags must be unique per (src, dst) pair")
+            if len(self._cancelled) >= MAX_CANCELLED:
+                raise CommunicationError(
+                    f"{len(self._cancelled)} cancelled receives still wait for their sender's answer (at most "
+                    f"{MAX_CANCELLED}), each holding its tensor: rank(s) {sorted({p for p, _ in self._cancelled})} "
+                    "do not progress", **self._ctx(peer, "recv"),
+                    hint="destroy and re-create the group; raise the timeout if the peers were only slow")
+            self._cancelled_small.pop((peer, tag), None)
             if 0 < work.nbytes <= EAGER_MAX_BYTES:
                 msg = self._pack(_KIND_RTR, peer, tag, work.nbytes, work.dtype_code, memtype=_MEM_NONE)
             elif work.nbytes:
@@ -623,16 +670,9 @@ class NixlBackend(Backend):
         with self._lock:
             if self._closed:
                 return
-            try:
-                notifs = self._agent.get_new_notifs()
-            except Exception as e:  # pragma: no cover - defensive
-                logger.debug("nixl: get_new_notifs failed: %s", e)
-                notifs = {}
-            for name, msgs in notifs.items():
-                for raw in msgs:
-                    msg = self._unpack(name, raw)
-                    if msg is not None:
-                        self._dispatch(msg)
+            self._drain()
+            if self._cancel_due or self._cancelled:
+                self._tend_cancels()
             for work in list(self._sends.values()):
                 if work.state != _PENDING or work.eager:  # an EAGER send only waits for its ACK
                     continue
@@ -645,9 +685,29 @@ class NixlBackend(Backend):
                 elif work.rtr is not None:
                     self._try_start_send(work)
 
+    def _drain(self) -> None:
+        """Read every notification that has arrived and route it (lock held). Writes start only after one."""
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as e:  # pragma: no cover - defensive
+            logger.debug("nixl: get_new_notifs failed: %s", e)
+            return
+        for name, msgs in notifs.items():
+            for raw in msgs:
+                msg = self._unpack(name, raw)
+                if msg is not None:
+                    self._dispatch(msg)
+
     def _dispatch(self, msg: _Msg) -> None:
         """Route one authenticated message to the operation waiting for it, or park it in the mailbox."""
         key = (msg.src, msg.tag)
+        if msg.kind == _KIND_CANCEL:  # about one of our sends
+            self._on_cancel(msg)
+            return
+        if msg.kind in _TO_RECEIVER and (msg.kind > _KIND_CANCEL or key in self._cancelled
+                                         or key in self._cancelled_small):
+            self._on_cancelled_recv_msg(msg)  # about one of our receives that was cancelled
+            return
         if msg.kind in (_KIND_EAGER_ACK, _KIND_EAGER_NACK):
             work = self._sends.get(key)
             if work is None or not work.eager or work.state != _PENDING:
@@ -673,9 +733,10 @@ class NixlBackend(Backend):
             work = self._sends.get(key)
             if work is not None and work.eager:  # the data went EAGER already; the ACK completes the send
                 return
-            if work is not None and work.rtr is None and work.state == _PENDING:
-                work.rtr = msg
-                self._try_start_send(work)
+            if key in self._peer_cancels:  # cancelled before it came (never so on one UCX endpoint): never written
+                self.stats["dropped_cancelled"] += 1
+            elif work is not None and work.rtr is None and work.state == _PENDING:
+                work.rtr = msg  # started by progress() once every notification that arrived has been read
             elif (msg.src, _KIND_RTR, msg.tag) in self._mailbox or work is not None:
                 self.stats["dropped_duplicate"] += 1
             else:
@@ -717,11 +778,122 @@ class NixlBackend(Backend):
         work.tensor.detach().reshape(-1).view(torch.uint8).copy_(data)
         self._finish(work, None)
 
+    # ------------------------------------------------------------------ cancels
+    def _cancelled_error(self, work: _NixlWork, detail: str = "nothing was sent") -> CommunicationError:
+        """The error of a send whose receiver cancelled its receive."""
+        return CommunicationError(
+            f"rank {work.peer} cancelled its receive of tag {work.tag} ({work.nbytes} bytes): it ended without the "
+            f"data (timed out, aborted, or its group was destroyed); {detail}", **self._ctx(work.peer, "send"),
+            hint=f"see the error on rank {work.peer}; raise the timeout there, or destroy and re-create the group")
+
+    def _notify(self, peer: int, kind: int, tag: int, nbytes: int = 0, dtype: int = 0) -> None:
+        """Send a control message with no data; a failure is only logged (the peer is gone or going)."""
+        try:
+            self._agent.send_notif(self._names[peer], self._pack(kind, peer, tag, nbytes, dtype))
+        except Exception as e:  # noqa: BLE001 - the peer's own wait reports its state
+            logger.debug("nixl: notification %d for tag %d to rank %d failed: %s", kind, tag, peer, e)
+
+    @staticmethod
+    def _remember(table: "collections.OrderedDict[Tuple[int, int], None]", key: Tuple[int, int]) -> None:
+        """Add ``key`` to a bounded record, forgetting the oldest past _CANCEL_RECORDS."""
+        table[key] = None
+        while len(table) > _CANCEL_RECORDS:
+            table.popitem(last=False)
+
+    def _on_cancel(self, msg: _Msg) -> None:
+        """The receiver gave up tag ``msg.tag``: write nothing more for it, and answer once nothing can land."""
+        key = (msg.src, msg.tag)
+        self._mailbox.pop((msg.src, _KIND_RTR, msg.tag), None)
+        work = self._sends.get(key)
+        if work is None:  # not posted yet (or over): a send posted later fails at once
+            self._remember(self._peer_cancels, key)
+        elif work.writing:  # our CMA copy runs (we read this between its pieces): it stops and answers
+            work.cancelled = True
+            return
+        elif work.xfer is not None:  # the WRITE runs: its bytes may still land; answer when it ends
+            work.ack_cancel = True
+            self._notify(msg.src, _KIND_CANCEL_BUSY, msg.tag)
+            return
+        elif not work.flush_until:  # not started (or EAGER, which the receiver drops): fails now
+            self._finish(work, self._cancelled_error(work))
+        self._notify(msg.src, _KIND_CANCEL_ACK, msg.tag)
+
+    def _on_cancelled_recv_msg(self, msg: _Msg) -> None:
+        """A message about a receive we cancelled: the sender's answer settles it; its data is dropped."""
+        key = (msg.src, msg.tag)
+        work = self._cancelled.get(key)
+        if msg.kind == _KIND_CANCEL_ACK:
+            if work is not None:
+                self._settle(key)
+            elif key in self._cancelled_small:
+                del self._cancelled_small[key]
+            else:
+                self.stats["dropped_unexpected"] += 1
+        elif msg.kind == _KIND_CANCEL_BUSY and work is not None:
+            work.busy = True
+        elif msg.kind == _KIND_DONE and work is not None and msg.nbytes == work.nbytes:
+            work.landed = True  # the WRITE ended before the sender saw the CANCEL: the data is whole
+        else:
+            self.stats["dropped_cancelled"] += 1  # an EAGER message (never copied in), a NACK
+
+    def _cancel_recv(self, work: _NixlWork, error: BaseException) -> None:
+        """End a pending receive without its data: send CANCEL; while the sender may write into its buffer (a
+        registered RTR went out), keep the tensor and registration pinned until the sender answers, dies or the
+        backend shuts down (lock held)."""
+        if work.state != _PENDING:
+            return
+        key = (work.peer, work.tag)
+        if self._recvs.get(key) is work:
+            del self._recvs[key]
+        work.state, work.error = _FAILED, error
+        if work.reg is not None:
+            self._cancelled[key] = work
+        else:  # only our own EAGER copy could fill it, and that needs the receive to be pending
+            self._remember(self._cancelled_small, key)
+            work.tensor = None  # type: ignore[assignment]
+        self._notify(work.peer, _KIND_CANCEL, work.tag, work.nbytes, work.dtype_code)
+
+    def _settle(self, key: Tuple[int, int]) -> None:
+        """The sender of a cancelled receive answered (or died, or we shut down): release its tensor."""
+        work = self._cancelled.pop(key)
+        if work.reg is not None:
+            self._cache.release(work.reg)
+            work.reg = None
+        work.tensor = None  # type: ignore[assignment]
+
+    def _tend_cancels(self) -> None:
+        """After abort(): cancel every pending receive and fail sends not writing yet. Every _PEER_WATCH_S: settle
+        cancelled receives whose same-node sender died (lock held)."""
+        if self._cancel_due:
+            self._cancel_due = False
+            err = GroupDestroyedError("the NIXL backend was aborted", group=self.config.group_name,
+                                      rank=self.config.rank, hint="destroy and re-create the group")
+            for work in list(self._recvs.values()):
+                self._cancel_recv(work, err)
+            for work in list(self._sends.values()):
+                if work.xfer is None and not work.writing and not work.flush_until:
+                    self._finish(work, err)
+        now = time.monotonic()
+        if self._cancelled and self._peer_pids is not None and now >= self._reap_at:
+            self._reap_at = now + _PEER_WATCH_S
+            for key in [k for k in self._cancelled if not self._peer_lives(k[0])]:
+                self._settle(key)
+
+    def _peer_lives(self, peer: int) -> bool:
+        """Whether a same-node peer's process (the one that joined: same start time) still runs."""
+        assert self._peer_pids is not None
+        pid = self._peer_pids[peer]
+        return pid_alive(pid) and start_time(pid) == self._peer_starts.get(peer)
+
     def _try_start_send(self, work: _NixlWork) -> None:
         """Validate the matched RTR and post the WRITE (or defer it while a remote-metadata reset must wait)."""
         rtr = work.rtr
         assert rtr is not None
         peer = work.peer
+        if self._aborted.is_set():  # nothing starts writing after abort() (progress may still run for cancels)
+            self._finish(work, GroupDestroyedError(f"send of tag {work.tag} was aborted before it started",
+                                                   **self._ctx(peer, "send"), hint="destroy and re-create the group"))
+            return
         if rtr.nbytes != work.nbytes or rtr.dtype != work.dtype_code:
             err = TensorMismatchError(
                 f"send of {work.nbytes} bytes ({_dtype_name(work.dtype_code)}) does not match the recv posted by "
@@ -785,8 +957,7 @@ class NixlBackend(Backend):
             self._cma_pool = ThreadPoolExecutor(CMA_THREADS - 1, thread_name_prefix="rdt-nixl-cma")
         work.phase = "copying into the receiver's tensor (process_vm_writev)"
         try:
-            _cma.spread([(work.tensor.data_ptr(), rtr.addr, work.nbytes)],
-                        lambda part: _cma.batched(_cma.WRITEV, pid, part), CMA_THREADS, self._cma_pool)
+            copied = self._cma_pieces(work, pid, rtr.addr)
         except _cma.CmaDenied as e:
             self._cma = False
             logger.info("nixl: group=%s rank=%d: no same-node CMA writes (%s); NIXL WRITEs instead",
@@ -796,6 +967,10 @@ class NixlBackend(Backend):
             self._finish(work, PeerUnavailableError(
                 f"could not copy the data of tag {work.tag} into rank {work.peer}'s tensor: {e}",
                 **self._ctx(work.peer, "send"), hint="the peer may have died or shut down; re-create the group"))
+            return True
+        if work.cancelled:  # the receiver gave up during the copy: stop, and say so
+            self._finish(work, self._cancelled_error(work, f"the copy stopped after {copied} bytes"))
+            self._notify(work.peer, _KIND_CANCEL_ACK, work.tag)
             return True
         self.stats["cma_writes"] += 1
         try:
@@ -807,6 +982,23 @@ class NixlBackend(Backend):
             return True
         self._finish_after_notif(work, None)
         return True
+
+    def _cma_pieces(self, work: _NixlWork, pid: int, remote: int) -> int:
+        """Copy ``work``'s bytes to ``remote`` in ``pid`` in _CMA_PIECE pieces, reading notifications between them;
+        stop early when the receiver cancels. Returns the bytes copied."""
+        local, n, done = work.tensor.data_ptr(), work.nbytes, 0
+        work.writing = True
+        try:
+            while done < n and not work.cancelled:
+                k = min(_CMA_PIECE, n - done)
+                _cma.spread([(local + done, remote + done, k)], lambda part: _cma.batched(_cma.WRITEV, pid, part),
+                            CMA_THREADS, self._cma_pool)
+                done += k
+                if done < n:
+                    self._drain()
+        finally:
+            work.writing = False
+        return done
 
     def _write_handle(self, work: _NixlWork, rtr: _Msg, done: bytes) -> Any:
         """A WRITE handle from ``work``'s tensor into the receiver's buffer: a cached idle one, else a new one
@@ -918,6 +1110,8 @@ class NixlBackend(Backend):
         if work.xfer is not None:
             self._inflight_to[work.peer] -= 1
             self._release_xfer(work, ok=error is None)  # a WRITE ends without error only once NIXL says DONE
+        if work.ack_cancel:  # the receiver cancelled while the WRITE ran: it has ended now
+            self._notify(work.peer, _KIND_CANCEL_ACK, work.tag)
         if work.eager:
             self._eager_out[work.peer] -= 1
         if work.reg is not None:
@@ -966,11 +1160,14 @@ class NixlBackend(Backend):
                 return
             if work.state == _FAILED:
                 assert work.error is not None
+                self._await_answer(work, timeout)  # a receive abort() cancelled: its sender's answer first
                 raise work.error
             if self._aborted.is_set():
-                raise GroupDestroyedError(
+                err: BaseException = GroupDestroyedError(
                     f"{work.op} of tag {work.tag} was aborted", **self._ctx(work.peer, work.op),
                     hint="destroy and re-create the group")
+                self._give_up(work, err, timeout, complete=False)
+                raise work.error if work.error is not None else err
             now = time.monotonic()
             if pid is not None and now >= watch:  # no UCX error handling here: the peer's process tells its death
                 watch = now + _PEER_WATCH_S
@@ -983,17 +1180,56 @@ class NixlBackend(Backend):
                         self._finish(work, err)
                     raise err
             if now >= deadline:
-                raise CollectiveTimeoutError(
+                err = CollectiveTimeoutError(
                     f"{work.op} of tag {work.tag} ({work.nbytes} bytes) did not complete: {work.phase} for "
                     f"{now - start:.2f}s (timeout {timeout:.2f}s)",
                     **self._ctx(work.peer, work.op),
                     hint=f"check that rank {work.peer} posts the matching "
                     f"{'recv' if work.op == 'send' else 'send'} and is alive, or raise the timeout",
                 )
+                if self._give_up(work, err, timeout):
+                    return
+                raise work.error if work.error is not None else err
             waited = now - start
             if waited >= poll:
                 time.sleep(min(delay, waited / 16, max(deadline - now, 0.0)))
                 delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
+
+    def _give_up(self, work: _NixlWork, err: BaseException, timeout: float, complete: bool = True) -> bool:
+        """End a wait that failed with ``err``. A send that has not started writing is withdrawn (it must never
+        read the caller's tensor later); a receive is cancelled (see the protocol) and waits for its sender's
+        answer (:meth:`_await_answer`). True when the data arrived meanwhile and ``complete``: the receive then
+        completes after all; otherwise the work has failed (with ``err``, or an error that arrived first)."""
+        with self._lock:
+            if work.state == _PENDING and not self._closed:
+                self._drain()  # an answer that has arrived decides first
+            if work.state != _PENDING:
+                return work.state == _DONE
+            if work.op == "send":
+                if work.xfer is None and not work.flush_until and not work.eager:
+                    self._finish(work, err)
+                return False
+            self._cancel_recv(work, err)
+        if self._await_answer(work, timeout) and complete:
+            work.state, work.error = _DONE, None
+            return True
+        return False
+
+    def _await_answer(self, work: _NixlWork, timeout: float) -> bool:
+        """Wait up to _CANCEL_GRACE_S for the answer to a cancelled receive, as long as ``timeout`` again while the
+        sender says its WRITE runs; True when its DONE came (the data is whole)."""
+        key = (work.peer, work.tag)
+        end = time.monotonic() + _CANCEL_GRACE_S
+        extended = False
+        while self._cancelled.get(key) is work and not self._closed:
+            now = time.monotonic()
+            if work.busy and not extended:
+                end, extended = now + timeout, True
+            if now >= end:
+                break
+            self.progress()
+            time.sleep(0.001)
+        return work.landed
 
     def transports(self) -> str:
         """What carries this group's traffic, for labels: 'shm/cma' when the agent runs without UCX error handling
@@ -1017,8 +1253,16 @@ class NixlBackend(Backend):
 
     # ------------------------------------------------------------------ lifecycle
     def abort(self) -> None:
-        """Make pending and future waits fail at once; never blocks."""
+        """Make pending and future waits fail at once, cancel pending receives and withdraw sends that have not
+        started writing; never blocks (when another thread holds the lock, the next progress() does it)."""
         self._aborted.set()
+        self._cancel_due = True
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._tend_cancels()
+            finally:
+                self._lock.release()
 
     def shutdown(self) -> None:
         """Release every transfer handle and registration, forget remote agents and drop the agent; idempotent."""
@@ -1026,11 +1270,24 @@ class NixlBackend(Backend):
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             err = GroupDestroyedError("the NIXL backend was shut down", group=self.config.group_name,
                                       rank=self.config.rank, hint="destroy and re-create the group")
-            for work in list(self._sends.values()) + list(self._recvs.values()):
+            for work in list(self._recvs.values()):
+                self._cancel_recv(work, err)
+        end = time.monotonic() + _SHUTDOWN_FLUSH_S
+        while self._cancelled and time.monotonic() < end:  # let the CANCELs leave; answers may come back
+            self.progress()
+            time.sleep(0.001)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for work in list(self._sends.values()):
                 self._finish(work, err)
+            for key in list(self._cancelled):
+                self._settle(key)
+            self._cancelled_small.clear()
+            self._peer_cancels.clear()
             self._mailbox.clear()
             self._eager_out.clear()
             self._eager_parked.clear()

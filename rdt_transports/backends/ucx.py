@@ -81,6 +81,7 @@ import torch
 from ..errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
+    CommunicationError,
     GroupDestroyedError,
     InvalidArgumentError,
     PeerUnavailableError,
@@ -280,28 +281,41 @@ class _UcxWork(Work):
         self._op = op  # holds the tensor and the buffers while UCX may still touch them
 
     def wait(self, timeout: float) -> None:
-        """Block until done; CollectiveTimeoutError past ``timeout``, GroupDestroyedError after abort."""
+        """Block until done; CollectiveTimeoutError past ``timeout`` (the operation withdrawn when UCX holds
+        nothing of its tensor yet, else given as long again first), GroupDestroyedError after abort."""
         op, backend = self._op, self._backend
-        if not op.done:
-            try:
-                backend._engine.wait(op, time.monotonic() + timeout, backend._aborted)
-            except RdtError:
-                raise
-            except Exception as e:  # a UCX error out of progress itself: typed, with group and ranks
-                raise backend._op_error(op, e) from e
+        self._drive(timeout)
+        if not op.done and not backend._aborted.is_set():
+            if not backend._withdraw(op, self._timeout_error(timeout, "withdrawn")):
+                self._drive(timeout)  # its payload is moving: let it land now rather than after the error
+                if not op.done:
+                    raise self._timeout_error(2 * timeout, "still posted: its payload was moving")
         if op.done:
             if op.error is not None:
                 raise op.error
             return
-        if backend._aborted.is_set():
-            raise backend._closed_error(op.peer, op.kind)
-        cfg = backend.config
-        raise CollectiveTimeoutError(
-            f"ucx {op.kind} (tag {op.tag}) did not complete within {timeout:.3f}s",
+        raise backend._closed_error(op.peer, op.kind)
+
+    def _timeout_error(self, waited: float, what: str) -> CollectiveTimeoutError:
+        """The error of a wait that timed out; ``what``: what became of the operation."""
+        op, cfg = self._op, self._backend.config
+        return CollectiveTimeoutError(
+            f"ucx {op.kind} (tag {op.tag}) did not complete within {waited:.3f}s; the operation is {what}",
             group=cfg.group_name, rank=cfg.rank, peer=op.peer, op=op.kind,
-            hint="make sure the peer posts the matching operation with the same tag, size and dtype, "
-            "and that it is alive; the operation is still pending",
-        )
+            hint="make sure the peer posts the matching operation with the same tag, size and dtype, and that it is "
+            "alive")
+
+    def _drive(self, timeout: float) -> None:
+        """Progress until the operation is done, the backend aborted or ``timeout`` has passed."""
+        op, backend = self._op, self._backend
+        if op.done:
+            return
+        try:
+            backend._engine.wait(op, time.monotonic() + timeout, backend._aborted)
+        except RdtError:
+            raise
+        except Exception as e:  # a UCX error out of progress itself: typed, with group and ranks
+            raise backend._op_error(op, e) from e
 
     def is_completed(self) -> bool:
         return self._op.done
@@ -951,6 +965,25 @@ class UcxBackend(Backend):
                 f"rank {peer} sent {theirs} for tag {tag}, this rank expects {mine}")
         return TensorMismatchError(what, **self._ectx(peer, op),
                                    hint="both sides must use tensors of the same dtype and number of elements")
+
+    def _cancelled(self, peer: int, tag: int, nbytes: int, later: Optional[int] = None) -> CommunicationError:
+        """The error of a send whose receiver withdrew its timed-out receive (``later``: the send that reports it
+        for an earlier fast send, which had completed)."""
+        what = (f"rank {peer} cancelled its receive of tag {tag} ({nbytes} bytes): it timed out before this send "
+                "reached it; nothing was delivered")
+        if later is not None:
+            what += f" (reported by the next send, tag {later}, which was not sent)"
+        return CommunicationError(what, **self._ectx(peer, "send"),
+                                  hint=f"see the error on rank {peer}; raise the timeout there, or destroy and "
+                                  "re-create the group")
+
+    def _withdraw(self, op: P2POp, error: BaseException) -> bool:
+        """End a timed-out operation that UCX holds nothing of its tensor for (see _ucx_ops); True when it ended."""
+        engine = self._engine
+        if engine is None:
+            return True
+        with engine.lock:
+            return op.done or op.withdraw(error)
 
     def _late_mismatch(self, peer: int, tag: int, earlier_tag: int, nbytes: int, dcode: int, their_nbytes: int,
                        their_dcode: int) -> TensorMismatchError:

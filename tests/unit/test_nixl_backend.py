@@ -379,3 +379,256 @@ def test_wait_on_a_same_node_peer_whose_pid_names_another_process_fails_fast(pai
         b0.irecv(torch.zeros(4), 1, 11).wait(TIMEOUT)
     assert time.monotonic() - start < TIMEOUT / 4
     assert ei.value.peer == 1 and ei.value.op == "recv"
+
+
+# ---------------------------------------------------------------------------------------------- late sends
+# A receive that ends without its data (timeout, abort, destroy) cancels: whatever the sender does later, not a byte
+# lands in the tensor that receive was given. Sizes: EAGER (the data inside a notification), a NIXL WRITE, and
+# rdt's own process_vm_writev copy (same node, from CMA_MIN_BYTES).
+SENTINEL = -7.0
+LATE_SIZES = [pytest.param(1 << 10, id="eager-4KiB"), pytest.param(1 << 18, id="nixl-write-1MiB"),
+              pytest.param(8 << 20, id="rdt-cma-32MiB")]
+RECV_TIMEOUT = 0.3
+
+
+def _warm(b0: NixlBackend, b1: NixlBackend) -> None:
+    """One transfer each way, so that both UCX endpoints are wired up (as in any group that has talked)."""
+    a, b = torch.ones(16), torch.zeros(16)
+    run_both(lambda: b0.isend(a, 1, 900).wait(TIMEOUT), lambda: b1.irecv(b, 0, 900).wait(TIMEOUT))
+    run_both(lambda: b1.isend(a, 0, 901).wait(TIMEOUT), lambda: b0.irecv(b, 1, 901).wait(TIMEOUT))
+
+
+def _failed_recv(b1: NixlBackend, n: int, tag: int) -> torch.Tensor:
+    """Post a recv of ``n`` float32 from rank 0 that times out (nobody sends yet); return its tensor."""
+    t = torch.full((n,), SENTINEL)
+    with pytest.raises(CollectiveTimeoutError):
+        b1.irecv(t, 0, tag).wait(RECV_TIMEOUT)
+    return t
+
+
+def _outcome(fn: Callable[[], object]) -> object:
+    """What ``fn`` raised, or None when it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - inspected by the caller
+        return e
+    return None
+
+
+def _drive(backends: Tuple[NixlBackend, ...], seconds: float) -> None:
+    """Progress these backends for ``seconds`` (as their next operations would)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for b in backends:
+            b.progress()
+        time.sleep(0.002)
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    return bool((t == SENTINEL).all())
+
+
+def _assert_cancelled(outcome: object, tag: int) -> None:
+    """The late send failed with a typed error saying that rank 1 cancelled that receive."""
+    from rdt_transports.errors import CommunicationError
+
+    assert isinstance(outcome, CommunicationError), f"the late send returned {outcome!r}"
+    assert "cancelled" in str(outcome) and f"tag {tag}" in str(outcome) and outcome.peer == 1, outcome
+
+
+@pytest.mark.parametrize("n", LATE_SIZES)
+def test_a_late_send_never_writes_into_a_timed_out_recv(pair, n: int) -> None:
+    """Rank 1's recv times out; rank 0 then sends: the send fails saying rank 1 cancelled, the tensor keeps its
+    bytes (checked again well after), the cancel bookkeeping drains to zero, and the next pair still works."""
+    b0, b1 = pair
+    _warm(b0, b1)
+    t = _failed_recv(b1, n, 5)
+    src = torch.arange(n, dtype=torch.float32)
+    sent = run_both(lambda: _outcome(lambda: b0.isend(src, 1, 5).wait(3.0)), lambda: _drive((b1,), 1.0))[0]
+    assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written after the recv failed"
+    _assert_cancelled(sent, 5)
+    _drive((b0, b1), 0.5)
+    assert _untouched(t)
+    dst = torch.zeros(n)
+    run_both(lambda: b0.isend(src, 1, 6).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 6).wait(TIMEOUT))
+    assert torch.equal(src, dst)
+    assert not b1._cancelled and not b0._sends and not b1._recvs and not b0._mailbox and not b1._mailbox
+
+
+@pytest.mark.parametrize("n", LATE_SIZES)
+def test_a_late_send_after_the_receiver_destroyed_its_group_writes_nothing(pair, n: int) -> None:
+    """Rank 1's recv times out and rank 1 shuts its side down at once; rank 0's later send must not write into the
+    tensor (which the test keeps alive: after a real destroy its memory may belong to something else)."""
+    b0, b1 = pair
+    _warm(b0, b1)
+    t = _failed_recv(b1, n, 7)
+    b1.shutdown()
+    src = torch.arange(n, dtype=torch.float32)
+    start = time.monotonic()
+    sent = _outcome(lambda: b0.isend(src, 1, 7).wait(3.0))
+    assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written after the recv failed"
+    _assert_cancelled(sent, 7)
+    assert time.monotonic() - start < 2.0
+    _drive((b0,), 0.3)
+    assert _untouched(t)
+
+
+def test_a_cancelled_recv_holds_its_tensor_until_the_sender_answers(pair) -> None:
+    """While the sender has not answered the cancel, the receive's tensor and registration stay held (so nothing
+    the sender might still write can land in freed memory); the sender's answer drains the table to zero, and a
+    send posted later with that tag fails at once."""
+    import gc
+    import weakref
+
+    b0, b1 = pair
+    _warm(b0, b1)
+    n = 1 << 18
+    t = _failed_recv(b1, n, 11)  # rank 0 does not progress meanwhile: no answer yet
+    assert len(b1._cancelled) == 1
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is not None, "the cancelled receive's tensor was released before the sender answered"
+    _drive((b0, b1), 0.3)  # rank 0 reads the cancel and answers; rank 1 reads the answer
+    assert not b1._cancelled
+    gc.collect()
+    assert ref() is None
+    start = time.monotonic()
+    sent = _outcome(lambda: b0.isend(torch.ones(n), 1, 11).wait(3.0))
+    _assert_cancelled(sent, 11)
+    assert time.monotonic() - start < 0.5
+    assert not b0._sends and not b0._mailbox and not b0._peer_cancels
+
+
+def test_cancelled_receives_are_bounded(pair, monkeypatch) -> None:
+    """Cancelled receives nobody answers cannot pile up: past the cap a new receive is refused with a typed error
+    naming the fix, and the table drains once the sender answers."""
+    from rdt_transports.backends import nixl as nixl_mod
+    from rdt_transports.errors import CommunicationError
+
+    monkeypatch.setattr(nixl_mod, "MAX_CANCELLED", 2)
+    b0, b1 = pair
+    _warm(b0, b1)
+    n = 1 << 18
+    for tag in (20, 21):
+        _failed_recv(b1, n, tag)
+    with pytest.raises(CommunicationError, match="cancelled receive"):
+        b1.irecv(torch.zeros(n), 0, 22)
+    _drive((b0, b1), 0.3)
+    assert not b1._cancelled
+    src, dst = torch.ones(n), torch.zeros(n)
+    run_both(lambda: b0.isend(src, 1, 23).wait(TIMEOUT), lambda: b1.irecv(dst, 0, 23).wait(TIMEOUT))
+    assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("end", ["abort", "shutdown"])
+@pytest.mark.parametrize("n", LATE_SIZES[1:])
+def test_a_late_send_never_writes_into_a_recv_ended_by_abort_or_shutdown(pair, n: int, end: str) -> None:
+    """A pending receive that ends because its side was aborted (a group errored) or shut down (destroyed) cancels
+    too: rank 0's later send fails saying so, and the tensor keeps its bytes."""
+    b0, b1 = pair
+    _warm(b0, b1)
+    t = torch.full((n,), SENTINEL)
+    w = b1.irecv(t, 0, 30)
+    _drive((b1,), 0.05)
+    getattr(b1, end)()
+    with pytest.raises(GroupDestroyedError):
+        w.wait(1.0)
+    src = torch.arange(n, dtype=torch.float32)
+    sent = _outcome(lambda: b0.isend(src, 1, 30).wait(3.0))
+    _drive((b0,), 0.3)
+    assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written after the recv failed"
+    _assert_cancelled(sent, 30)
+
+
+@pytest.mark.parametrize("cma", [True, False], ids=["rdt-cma", "nixl-write"])
+def test_a_recv_that_times_out_mid_transfer_is_never_written_after_its_error(monkeypatch, cma: bool) -> None:
+    """The sender starts just before, at or after the receiver's deadline, so some timeouts hit a copy or WRITE in
+    flight: whatever the receive returns, no byte of its tensor changes once it has raised (the receive waits for
+    the sender to stop), and one that returns has the whole message."""
+    monkeypatch.setenv("RDT_NIXL_CMA", "1" if cma else "0")
+    b0, b1 = make_pair()
+    try:
+        _warm(b0, b1)
+        n = 16 << 20  # 64 MiB
+        src = torch.arange(n, dtype=torch.float32)
+        outcomes = []
+        for i, lead in enumerate((0.03, 0.01, 0.0, -0.01, -0.03)):
+            t = torch.full((n,), SENTINEL)
+            tag = 40 + i
+            seen: List[torch.Tensor] = []
+
+            def receive() -> object:
+                err = _outcome(lambda: b1.irecv(t, 0, tag).wait(0.2))
+                seen.append(t.clone())  # what the tensor held when the receive returned or raised
+                return err
+
+            def send() -> object:
+                time.sleep(0.2 - lead)
+                return _outcome(lambda: b0.isend(src, 1, tag).wait(5.0))
+
+            got, sent = run_both(receive, send)
+            _drive((b0, b1), 0.3)
+            assert torch.equal(t, seen[0]), f"lead {lead}: the tensor changed after the receive returned ({got!r})"
+            if got is None:
+                assert torch.equal(t, src) and sent is None
+            else:
+                assert isinstance(got, CollectiveTimeoutError), got
+            outcomes.append("ok" if got is None else "timeout")
+        assert not b1._cancelled and not b1._recvs and not b0._sends
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+@pytest.mark.parametrize("n", LATE_SIZES[1:])
+def test_a_timed_out_send_never_delivers_later(pair, n: int) -> None:
+    """A send that timed out before the receiver was ready is withdrawn: when the receiver posts later, the
+    sender (which changed its tensor after the error, as a caller may) writes nothing, so the receiver can never
+    get those bytes as a successful message."""
+    b0, b1 = pair
+    _warm(b0, b1)
+    src = torch.arange(n, dtype=torch.float32)
+    with pytest.raises(CollectiveTimeoutError):
+        b0.isend(src, 1, 50).wait(RECV_TIMEOUT)
+    src.fill_(123.0)  # the caller reuses its tensor after the failed send
+    t = torch.full((n,), SENTINEL)
+    got = run_both(lambda: _drive((b0,), 1.0), lambda: _outcome(lambda: b1.irecv(t, 0, 50).wait(0.5)))[1]
+    _drive((b0, b1), 0.3)
+    assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written by a send that had failed"
+    assert isinstance(got, CollectiveTimeoutError), got
+    assert not b0._sends
+
+
+def test_a_cancelled_recv_is_released_when_its_sender_dies_or_at_shutdown(pair) -> None:
+    """The held tensor of a cancelled receive goes when its same-node sender's process is gone (its pid watched,
+    as for waits) or when the backend shuts down, answer or not."""
+    import gc
+    import subprocess
+    import weakref
+
+    b0, b1 = pair
+    _warm(b0, b1)
+    refs = []
+    for tag in (60, 61):
+        t = _failed_recv(b1, 1 << 18, tag)  # rank 0 does not progress: no answer
+        refs.append(weakref.ref(t))
+        del t
+    assert len(b1._cancelled) == 2
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now, as if rank 0 had died
+    real = b1._peer_pids[0]
+    b1._peer_pids[0] = child.pid
+    try:
+        _drive((b1,), 0.2)
+    finally:
+        b1._peer_pids[0] = real
+    assert not b1._cancelled
+    gc.collect()
+    assert all(r() is None for r in refs)
+    t = _failed_recv(b1, 1 << 18, 62)
+    ref = weakref.ref(t)
+    del t
+    b1.shutdown()
+    gc.collect()
+    assert not b1._cancelled and ref() is None

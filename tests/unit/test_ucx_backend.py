@@ -402,8 +402,8 @@ def test_outsider_at_worker_address_is_rejected_and_never_matches_user_receives(
     while b1.stats["rejected_connections"] < before + 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert b1.stats["rejected_connections"] == before + 2  # the bad MAC and the wrong-size hello
-    with pytest.raises(CollectiveTimeoutError):
-        pending.wait(0.5)  # the forged header/payload did not complete it
+    time.sleep(0.5)  # the pump thread progresses meanwhile
+    assert not pending.is_completed()  # the forged header/payload did not complete it
     assert torch.equal(dst, torch.zeros(4))
     src = torch.arange(4.0)
     s = b0.isend(src, 1, tag)
@@ -531,5 +531,79 @@ def test_the_pid_watch_fails_a_peer_whose_pid_names_another_process() -> None:
     finally:
         other.kill()
         other.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- late sends
+@pytest.mark.parametrize("n", [1 << 10, 1 << 18, 8 << 20], ids=["inline-4KiB", "1MiB", "32MiB"])
+def test_a_late_send_never_writes_into_a_timed_out_recv(n: int) -> None:
+    """Rank 1's recv times out; rank 0 then sends that tag. The tensor the failed recv was given keeps its bytes
+    (checked again well after), the send fails with a typed error saying rank 1 cancelled, and the pair still
+    works. (A fresh pair: a small send of a size the peer accepted lately completes before its verdict, and the
+    next send reports the cancel, as for a refusal.)"""
+    from rdt_transports.errors import CommunicationError
+
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b0, b1, torch.ones(4), torch.zeros(4), _tag())  # connected
+        tag = _tag()
+        t = torch.full((n,), -7.0)
+        with pytest.raises(CollectiveTimeoutError):
+            b1.irecv(t, 0, tag).wait(0.3)
+        src = torch.arange(n, dtype=torch.float32)
+        with pytest.raises(CommunicationError, match="cancelled its receive") as info:
+            b0.isend(src, 1, tag).wait(3.0)
+        assert info.value.peer == 1 and f"tag {tag}" in str(info.value)
+        time.sleep(0.3)
+        assert bool((t == -7.0).all()), f"{int((t != -7.0).sum())} of {n} elements were written after the recv failed"
+        dst = torch.zeros(n)
+        _exchange(b0, b1, src, dst, _tag())
+        assert torch.equal(src, dst)
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+def test_a_recv_that_times_out_mid_transfer_is_never_written_after_its_error() -> None:
+    """The sender starts just before, at or after the receiver's deadline: whatever the receive returns, no byte of
+    its tensor changes once it has returned or raised (a payload already moving is given as long again to land),
+    and one that returns has the whole message."""
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b0, b1, torch.ones(4), torch.zeros(4), _tag())  # connected
+        n = 16 << 20  # 64 MiB
+        src = torch.arange(n, dtype=torch.float32)
+        for lead in (0.03, 0.01, 0.0, -0.01, -0.03):
+            t = torch.full((n,), -7.0)
+            tag = _tag()
+            seen: List[torch.Tensor] = []
+            got: List[object] = []
+
+            def receive() -> None:
+                try:
+                    b1.irecv(t, 0, tag).wait(0.2)
+                    got.append(None)
+                except Exception as e:  # noqa: BLE001 - inspected below
+                    got.append(e)
+                seen.append(t.clone())
+
+            def send() -> None:
+                time.sleep(0.2 - lead)
+                try:
+                    b0.isend(src, 1, tag).wait(5.0)
+                except Exception:  # noqa: BLE001 - the receive's outcome is what is checked
+                    pass
+
+            threads = [threading.Thread(target=receive), threading.Thread(target=send)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(30)
+            time.sleep(0.3)
+            assert torch.equal(t, seen[0]), f"lead {lead}: the tensor changed after the receive returned ({got[0]!r})"
+            if got[0] is None:
+                assert torch.equal(t, src)
+            else:
+                assert isinstance(got[0], CollectiveTimeoutError), got[0]
+    finally:
         b0.shutdown()
         b1.shutdown()
