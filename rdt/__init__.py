@@ -21,6 +21,9 @@ from ._api.admin import configure, create_collective_group, destroy_collective_g
 from ._api.tensor_method import put, tensor_method
 from ._api.get import get, get_async, wait_tensor_freed
 from .transports import register_transport
+from ._sharded.layout import Layout, Region
+from ._sharded.publish import Manifest, Shards, put_shards
+from ._sharded.load import LoadReport, WeightLoader
 from .errors import (
     IntoBusyError,
     IntoMismatchError,
@@ -37,7 +40,8 @@ from .errors import (
 )
 
 __all__ = [
-    "tensor_method", "put", "get", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
+    "tensor_method", "put", "get", "put_shards", "Manifest", "Shards", "Layout", "Region", "WeightLoader",
+    "LoadReport", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
     "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
 ]

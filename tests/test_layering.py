@@ -22,7 +22,7 @@ PACKAGES = ("rdt", "rdt_transports")
 # other entry is a package and everything below it. Within a layer the no-cycle rule holds.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("=rdt",),  # the public face
-    ("rdt._api",),  # tensor_method and put, get, groups/stats/configure
+    ("rdt._api", "rdt._sharded"),  # tensor_method and put, get, groups/stats/configure; sharded weight sync
     ("rdt._producer", "rdt._consumer"),  # the two roles
     ("rdt._process",),  # the process context: holds every transport's state by name
     ("rdt.transports.group", "rdt.transports.shm", "rdt.transports.nixl", "rdt.transports.cuda_ipc",

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from ray import cloudpickle
 
+from .dtensor import is_dtensor, refuse_leaf
 from .specs import KIND_CUPY, KIND_NUMPY, KIND_PARAMETER, KIND_TORCH, BufferTable, SpecTable, TensorSpec
 
 
@@ -82,6 +83,14 @@ class Flattened:
         return self.table.total
 
 
+class _DTensorLeaf(Exception):
+    """A DTensor met while flattening; :func:`flatten` turns it into the error naming the leaf."""
+
+    def __init__(self, leaf: Any) -> None:
+        super().__init__("DTensor leaf")
+        self.leaf = leaf
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -96,6 +105,8 @@ def _to_torch(obj: Any) -> Optional[Tuple[torch.Tensor, int]]:
     if type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_nested:  # the common case, fast
         return _stored(obj), KIND_TORCH
     if isinstance(obj, torch.Tensor):
+        if is_dtensor(obj):
+            raise _DTensorLeaf(obj)
         if obj.layout != torch.strided or obj.is_nested:
             from rdt_transports.errors import InvalidArgumentError
 
@@ -211,6 +222,8 @@ def flatten(value: Any) -> Flattened:
     out = io.BytesIO()
     try:
         (_PlainPickler if _plain(value) else _Pickler)(out, found).dump(value)
+    except _DTensorLeaf as e:
+        raise refuse_leaf(value, e.leaf) from None
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         from rdt_transports.errors import InvalidArgumentError
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 from .._control.wire import CORE_MESSAGES, USER_MESSAGES_FROM
 from ..errors import InvalidArgumentError, UnsupportedError
-from .base import Capabilities, Fetched, Served, SetupFailed, Site, Transport, Unusable, device_types
+from .base import Capabilities, Fetched, Ranges, Served, SetupFailed, Site, Transport, Unusable, device_types
 from .receive import BlockViews, Targets, block_views, landing
 
 _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list them
@@ -143,6 +143,6 @@ def unregister_transport(name: str) -> Optional[Transport]:
         return _user.pop(name, None)
 
 
-__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "SetupFailed", "Site", "Targets", "Transport",
+__all__ = ["BlockViews", "block_views", "Capabilities", "Fetched", "Ranges", "SetupFailed", "Site", "Targets", "Transport",
            "Unusable", "auto_chain", "device_types", "landing", "fallback", "get", "loaded", "names",
            "register_transport", "self_contained", "unregister_transport"]

@@ -173,6 +173,13 @@ class Transport(abc.ABC):
     def fetch(self, ctx: Any, meta: "ObjectMeta", site: Site, deadline: float) -> Fetched:
         """Consumer: the object's buffers in this process; typed rdt errors, TimeoutError or SetupFailed."""
 
+    def read_ranges(self, ctx: Any, meta: "ObjectMeta", ranges: "Ranges", same_node: bool,
+                    deadline: float) -> Optional[str]:
+        """Consumer: copy byte ranges of the object's buffers straight to local addresses (sharded weight sync);
+        the label of the path that served, or None where this transport cannot serve ranges here (the caller then
+        fetches the buffers whole and copies the ranges out). Typed rdt errors as :meth:`fetch`."""
+        return None
+
     def handlers(self) -> Dict[int, Served]:
         """Producer: control requests this transport serves (message type -> (handler, allowed key ids)), answered
         on the control server's threads; a request signed with another key is refused before the handler runs."""
@@ -196,6 +203,19 @@ class Transport(abc.ABC):
     def stats(self, ctx: Any) -> Dict[str, Any]:
         """Entries this transport adds to ``rdt.stats()`` (its state's counters; present even before it is used)."""
         return {}
+
+
+@dataclass
+class Ranges:
+    """Byte ranges to read from one object: per range the buffer, the offset in it, the local address it lands at
+    and its length (equal-length int64 numpy arrays; ``dst`` as uint64), and the local CPU tensors those addresses
+    lie in (kept alive by the caller, registered by a transport that needs to)."""
+
+    buf: Any
+    off: Any
+    dst: Any
+    n: Any
+    targets: Sequence[torch.Tensor] = ()
 
 
 def device_types(meta: "ObjectMeta") -> FrozenSet[str]:

@@ -15,12 +15,13 @@ from ..._control import wire as _control
 from . import agent as _agent
 from .descriptors import NixlInfo, decode_info, encode_info
 from .export import register, release
+from .ranges import read_ranges
 from .read import ParkedLimit, read_object
 from ..._objects.meta import ObjectMeta
 from ..._control.peer import control_request, died, probe, unreachable
 from ..._control.wire import err
 from ...errors import ObjectFetchError
-from ..base import Capabilities, Fetched, Served, Site, Transport, Unusable
+from ..base import Capabilities, Fetched, Ranges, Served, Site, Transport, Unusable
 
 
 REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, binary (read.encode_info)
@@ -70,6 +71,25 @@ class NixlTransport(Transport):
                 raise died(meta, e) from e
             if state == "silent":
                 raise unreachable(meta, "the NIXL READ", e, why) from e
+            raise
+
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+                    deadline: float) -> Optional[str]:
+        info = meta.export("nixl")
+        if info is None:
+            if not self.available() or self.name in meta.producer.missing:
+                return None
+            resp = control_request(ctx, meta, REQ_PREPARE_NIXL, _control.KEY_PROCESS,
+                                   meta.producer.process_key, meta.obj_id, _left(deadline))
+            info = decode_info(resp)
+        try:
+            return read_ranges(ctx, info, ranges, _left(deadline))
+        except (TimeoutError, RuntimeError) as e:
+            state, why = probe(ctx, meta)
+            if state == "dead":
+                raise died(meta, e) from e
+            if state == "silent":
+                raise unreachable(meta, "the NIXL READ of ranges", e, why) from e
             raise
 
     def handlers(self) -> Dict[int, Served]:

@@ -19,14 +19,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from . import cma as _cma, segments as _shm, shared_maps as _shm_map
+from . import cma as _cma, ranges as _ranges, segments as _shm, shared_maps as _shm_map
 from .state import ShmState, state
 from ..._control import wire as _control
 from ..._objects.stream_ready import wait_ready
 from ..._objects.meta import ObjectMeta
 from ..._control.peer import control_request, died, freed, producer_alive
 from ..._control.wire import err
-from ..base import Capabilities, Fetched, Served, Site, Transport
+from ..base import Capabilities, Fetched, Ranges, Served, Site, Transport
 from ..receive import BlockViews, Targets, block_views, landing
 
 logger = logging.getLogger("rdt")
@@ -88,6 +88,10 @@ class ShmTransport(Transport):
             _shm.unlink(seg.name)
             raise died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
         return Fetched(_map(ctx, meta, seg.name, seg.layout), "shm-segment")
+
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+                    deadline: float) -> Optional[str]:
+        return _ranges.read_ranges(ctx, meta, ranges, same_node)
 
     def start(self, ctx: Any) -> None:
         state(ctx)  # unlinks dead processes' segments now; exit unlinks ours

@@ -1,0 +1,270 @@
+"""The consumer's side: a :class:`WeightLoader` states what each target tensor wants (regions of global
+parameters, concatenated for fused targets), plans once per layout which byte ranges come from which producer rank,
+and on every ``load(manifest)`` reads exactly those ranges from all ranks at once, straight into the targets."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from .._objects.meta import ObjectMeta
+from ..errors import InvalidArgumentError, ObjectFreedError, ProducerDiedError, RdtError, TransferTimeoutError
+from .layout import Region, intersect, runs
+from .publish import Manifest, ParamInfo, Shards
+
+MAX_PARALLEL = 16  # producer ranks read from at once
+
+
+@dataclass
+class _Want:
+    name: str
+    target: torch.Tensor
+    regions: Tuple[Region, ...]
+    dim: int
+    cast: bool
+    landing: Optional[torch.Tensor] = None  # where a cast target's bytes land first (the source dtype)
+
+
+@dataclass
+class _Pulls:
+    """The ranges one producer rank serves: per run its leaf, byte offset in the leaf, target, byte offset in the
+    target, and length (equal-length int64 arrays)."""
+
+    rank: int
+    leaf: np.ndarray
+    src: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+    n: np.ndarray
+
+
+@dataclass
+class LoadReport:
+    """What one ``load`` did: the version, whether it made a new plan (False: replayed), the bytes that landed,
+    the path that served each producer rank ("shm-direct", "nixl"; "whole:<label>" where the rank's shards were
+    fetched whole and narrowed here), and the seconds it took."""
+
+    version: int
+    planned: bool
+    nbytes: int
+    paths: Dict[int, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class WeightLoader:
+    """A consumer's wants, planned once per manifest layout and replayed on every load.
+
+    ``loader.want(qkv, [Region("q", 0, r * q, q), Region("k", 0, r * k, k), Region("v", 0, r * k, k)])`` fills
+    ``qkv`` with its slices of q, k and v concatenated along dim 0; ``loader.load(manifest)`` pulls them."""
+
+    def __init__(self) -> None:
+        self._wants: List[_Want] = []
+        self._plan: Optional[Tuple[Any, List[_Pulls]]] = None  # (manifest layout key, pulls per rank)
+        self.plans = 0  # plans made (a changed layout or new wants make a new one)
+        self.replays = 0  # loads that reused the plan
+
+    def want(self, target: torch.Tensor, regions: Union[Region, Sequence[Region]], *, dim: int = 0,
+             cast: bool = False, name: Optional[str] = None) -> None:
+        """``target`` receives ``regions`` (one, or several concatenated along ``dim``); ``cast=True`` allows a
+        source dtype other than the target's (the bytes land in a staging tensor, then are converted)."""
+        regs = (regions,) if isinstance(regions, Region) else tuple(regions)
+        label = name or (regs[0].param if len(regs) == 1 else "+".join(r.param for r in regs))
+        if not isinstance(target, torch.Tensor) or target.device.type != "cpu" or not target.is_contiguous():
+            raise InvalidArgumentError(f"target {label!r} must be a contiguous CPU tensor",
+                                       hint="want into the parameter's contiguous CPU storage")
+        if not regs or not all(isinstance(r, Region) for r in regs):
+            raise InvalidArgumentError(f"target {label!r}: regions must be rdt.Region objects",
+                                       hint='pass rdt.Region("name", dim, start, length)')
+        if not -max(target.dim(), 1) <= dim < max(target.dim(), 1):
+            raise InvalidArgumentError(f"target {label!r}: dim {dim} is outside its {target.dim()} dimensions",
+                                       hint="concatenate along a dimension the target has")
+        self._wants.append(_Want(label, target, regs, dim % max(target.dim(), 1), bool(cast)))
+        self._plan = None
+
+    def load(self, manifest: Manifest, *, timeout: float = 60.0) -> LoadReport:
+        """Pull every want's bytes of ``manifest``'s version into the targets. Everything is checked before a byte
+        moves; a rank that died raises ProducerDiedError naming it. The targets hold the new version on return."""
+        if not isinstance(manifest, Manifest):
+            raise InvalidArgumentError(f"load takes an rdt.Manifest, got {type(manifest).__name__}",
+                                       hint="rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
+                                       hint="pass e.g. timeout=60.0")
+        start = time.monotonic()
+        deadline = start + timeout
+        planned = self._plan is None or self._plan[0] != manifest.layout_key
+        if planned:
+            self._plan = (manifest.layout_key, _make_plan(self._wants, manifest))
+            self.plans += 1
+        else:
+            self.replays += 1
+        pulls = self._plan[1]
+        by_rank = {s.rank: s for s in manifest.shards}
+        addrs = np.array([(w.landing if w.landing is not None else w.target).data_ptr() for w in self._wants],
+                         dtype=np.uint64)
+        keep = [w.landing if w.landing is not None else w.target for w in self._wants]
+        paths: Dict[int, str] = {}
+        if len(pulls) == 1:
+            paths[pulls[0].rank] = _pull(by_rank[pulls[0].rank], pulls[0], addrs, keep, deadline)
+        elif pulls:
+            with ThreadPoolExecutor(min(MAX_PARALLEL, len(pulls)), thread_name_prefix="rdt-shards") as pool:
+                futures = {p.rank: pool.submit(_pull, by_rank[p.rank], p, addrs, keep, deadline) for p in pulls}
+                errors = []
+                for rank, f in futures.items():
+                    try:
+                        paths[rank] = f.result()
+                    except BaseException as e:  # noqa: BLE001 - every read ends before the first error is raised
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
+        for w in self._wants:
+            if w.landing is not None:
+                w.target.copy_(w.landing)
+        nbytes = int(sum(int(p.n.sum()) for p in pulls))
+        return LoadReport(manifest.version, planned, nbytes, paths, time.monotonic() - start)
+
+
+def _make_plan(wants: List[_Want], manifest: Manifest) -> List[_Pulls]:
+    """Check every want against the manifest and turn it into runs per producer rank (before any byte moves)."""
+    runs_by_rank: Dict[int, List[Tuple[np.ndarray, ...]]] = {}
+    for ti, w in enumerate(wants):
+        src_dtype = _check_want(w, manifest)
+        itemsize = torch.empty((), dtype=src_dtype).element_size()
+        cat_at = 0
+        for region in w.regions:
+            info = manifest.holders[region.param][0][1]
+            box = region.box(info.global_shape, w.name)
+            extent = [hi - lo for lo, hi in box]
+            dst_shape = list(w.target.shape) or [1]
+            for rank, leaf, pinfo in _holders(manifest, region.param, box, ti):
+                part = intersect(box, pinfo.box)
+                assert part is not None
+                src_shape = [hi - lo for lo, hi in pinfo.box]
+                src_lo = [a - b for (a, _), (b, _) in zip(part, pinfo.box)]
+                dst_lo = [a - b for (a, _), (b, _) in zip(part, box)]
+                if w.target.dim():
+                    dst_lo[w.dim] += cat_at
+                s, d, length = runs(src_shape, src_lo, dst_shape if w.target.dim() else [], dst_lo,
+                                    [hi - lo for lo, hi in part])
+                runs_by_rank.setdefault(rank, []).append(
+                    (np.full(len(s), leaf, np.int64), s * itemsize, np.full(len(s), ti, np.int64), d * itemsize,
+                     np.full(len(s), length * itemsize, np.int64)))
+            if w.target.dim():
+                cat_at += extent[w.dim]
+        if w.cast:
+            w.landing = torch.empty(w.target.shape, dtype=src_dtype)
+    out = []
+    for rank, parts in sorted(runs_by_rank.items()):
+        cols = [np.concatenate(c) for c in zip(*parts)]
+        out.append(_Pulls(rank, *_merge(*cols)))
+    return out
+
+
+def _merge(leaf: np.ndarray, src: np.ndarray, target: np.ndarray, dst: np.ndarray,
+           n: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """Adjacent runs (same leaf and target, contiguous on both sides) joined into one."""
+    order = np.lexsort((src, leaf))
+    leaf, src, target, dst, n = leaf[order], src[order], target[order], dst[order], n[order]
+    if len(n) < 2:
+        return leaf, src, target, dst, n
+    joins = (leaf[1:] == leaf[:-1]) & (target[1:] == target[:-1]) & (src[1:] == src[:-1] + n[:-1]) \
+        & (dst[1:] == dst[:-1] + n[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    total = np.add.reduceat(n, starts)
+    return leaf[starts], src[starts], target[starts], dst[starts], total
+
+
+def _check_want(w: _Want, manifest: Manifest) -> torch.dtype:
+    """The source dtype of ``w`` after checking its regions exist, agree, fit the target and its dtype."""
+    infos: List[ParamInfo] = []
+    for r in w.regions:
+        held = manifest.holders.get(r.param)
+        if held is None:
+            raise InvalidArgumentError(f"target {w.name!r} wants {r.param!r}, which no rank of version "
+                                       f"{manifest.version} publishes", hint="check the parameter's name")
+        infos.append(held[0][1])
+    dtypes = {i.dtype for i in infos}
+    if len(dtypes) > 1:
+        raise InvalidArgumentError(f"target {w.name!r} concatenates parameters of dtypes {sorted(dtypes)}",
+                                   hint="fuse parameters of one dtype into one target")
+    src = getattr(torch, dtypes.pop())
+    if src != w.target.dtype and not w.cast:
+        raise InvalidArgumentError(f"target {w.name!r} is {w.target.dtype}, {infos[0].name!r} is published as {src}",
+                                   hint="pass cast=True to convert, or want into a target of the published dtype")
+    shape: Optional[List[int]] = None
+    for r, i in zip(w.regions, infos):
+        ext = [hi - lo for lo, hi in r.box(i.global_shape, w.name)]
+        if w.target.dim() == 0:
+            ext = ext or [1]
+        if shape is None:
+            shape = ext
+        elif len(ext) != len(shape) or any(a != b for k, (a, b) in enumerate(zip(ext, shape)) if k != w.dim):
+            raise InvalidArgumentError(f"target {w.name!r}: region of {r.param!r} is {ext}, the first is {shape}; "
+                                       f"they must agree except along dim {w.dim}", hint="check the narrows")
+        else:
+            shape[w.dim] += ext[w.dim]
+    want = list(w.target.shape) or [1]
+    if shape != want:
+        raise InvalidArgumentError(f"target {w.name!r} is {tuple(w.target.shape)}, its regions make {tuple(shape)}",
+                                   hint="size the target as the regions concatenated along dim")
+    return src
+
+
+def _holders(manifest: Manifest, param: str, box: Any, salt: int) -> List[Tuple[int, int, ParamInfo]]:
+    """(rank, leaf index, param info) of one holder per distinct shard box meeting ``box`` (replicas: spread by
+    ``salt`` so that targets read from different replicas)."""
+    by_box: Dict[Any, List[Tuple[int, int, ParamInfo]]] = {}
+    for shards, info in manifest.holders[param]:
+        if intersect(box, info.box) is not None:
+            leaf = next(i for i, p in enumerate(shards.params) if p.name == param)
+            by_box.setdefault(info.box, []).append((shards.rank, leaf, info))
+    return [held[salt % len(held)] for held in by_box.values()]
+
+
+def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float) -> str:
+    """Land one rank's runs; the label of the path that served. Errors name the rank."""
+    from .. import transports
+    from .._process.context import get_context
+    from .._ray.runtime import node_id
+
+    meta: ObjectMeta = shards.meta
+    ctx = get_context()
+    specs = meta.specs
+    buf = np.array([specs[i].buffer for i in range(len(specs))], np.int64)
+    base = np.array([specs[i].offset * torch.empty((), dtype=getattr(torch, specs[i].dtype)).element_size()
+                     for i in range(len(specs))], np.int64)
+    ranges = transports.Ranges(buf[pulls.leaf], base[pulls.leaf] + pulls.src,
+                               addrs[pulls.target] + pulls.dst.astype(np.uint64), pulls.n,
+                               [keep[i] for i in sorted(set(pulls.target.tolist()))])
+    same_node = meta.producer.node_id == node_id()
+    names = [n for n, _ in meta.exports]
+    names += [meta.transport] if meta.transport != "auto" else [t.name for t in transports.auto_chain()]
+    try:
+        for name in dict.fromkeys(names):
+            label = transports.get(name).read_ranges(ctx, meta, ranges, same_node, deadline)
+            if label is not None:
+                ctx.stats.add(name, "in", int(pulls.n.sum()), path=label)
+                return label
+        return _whole(ctx, meta, ranges, deadline)
+    except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
+        raise type(e)(f"producer rank {shards.rank} (version {shards.version}): {e}", rank=shards.rank,
+                      object_id=meta.id_hex, hint=e.hint) from e
+
+
+def _whole(ctx: Any, meta: ObjectMeta, ranges: Any, deadline: float) -> str:
+    """Fetch the rank's shards whole (a transport that cannot serve ranges) and copy the runs out here."""
+    from rdt_transports._memcopy import copy_parts
+
+    from .._consumer.resolve import fetch_buffers
+
+    fetched, name = fetch_buffers(ctx, meta, timeout=max(deadline - time.monotonic(), 1e-3))
+    bases = np.array([b.data_ptr() for b in fetched.buffers], np.uint64)
+    src = bases[ranges.buf] + ranges.off.astype(np.uint64)
+    copy_parts(list(zip(ranges.dst.tolist(), src.tolist(), ranges.n.tolist())))
+    ctx.stats.add(name, "in", meta.nbytes, path=fetched.label)
+    return f"whole:{fetched.label}"

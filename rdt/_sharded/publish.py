@@ -1,0 +1,210 @@
+"""The producer's side: ``rdt.put_shards`` publishes this rank's local shards with their global layout, and the
+driver gathers every rank's :class:`Shards` into a :class:`Manifest` (no central server: it is a list)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .._objects.dtensor import is_dtensor, local_layout
+from .._objects.meta import ObjectMeta
+from ..errors import InvalidArgumentError
+from .layout import Box, Layout, box_of, intersect, volume
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One published parameter: its dtype, global shape and the box this rank holds."""
+
+    name: str
+    dtype: str
+    global_shape: Tuple[int, ...]
+    box: Box
+
+
+class Shards:
+    """What one producer rank published for one version: its parameters' layouts and the rdt object holding the
+    local shards. Small and picklable; pickling it anywhere never fetches the tensors (they move only when a
+    :class:`~rdt.WeightLoader` pulls the ranges it needs). Holding it keeps the shards alive in the producer."""
+
+    def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any) -> None:
+        self.rank = rank
+        self.version = version
+        self.params = params
+        self.meta = meta  # ObjectMeta of {name: local shard}, or None when there was nothing to hold
+        self.layout_key = hashlib.blake2b(repr(params).encode(), digest_size=16).digest()
+
+    def __reduce__(self) -> Any:
+        meta = None if self.meta is None else self.meta.__dict__.copy()
+        return (_load_shards, (self.rank, self.version, self.params, meta))
+
+    def __repr__(self) -> str:
+        return f"Shards(rank={self.rank}, version={self.version}, {len(self.params)} params)"
+
+
+def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict]) -> Shards:
+    """Unpickle without handing the metadata to rdt's consumer (which would fetch the shards whole)."""
+    meta = None
+    if meta_state is not None:
+        meta = ObjectMeta.__new__(ObjectMeta)
+        object.__setattr__(meta, "__dict__", meta_state)
+    return Shards(rank, version, params, meta)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _plain_layout(name: str, t: torch.Tensor, layout: Any) -> Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]:
+    if not isinstance(layout, Layout):
+        raise InvalidArgumentError(
+            f"parameter {name!r} is a plain tensor without a layout (got {type(layout).__name__})",
+            hint=f"pass layouts={{{name!r}: rdt.Layout(global_shape, start)}} (rdt.Layout.whole(t.shape) for a "
+            "tensor every rank holds whole), or publish a DTensor")
+    shape = tuple(int(s) for s in layout.global_shape)
+    start = tuple(int(s) for s in layout.start) if layout.start is not None else (0,) * len(shape)
+    if len(shape) != t.dim() or len(start) != t.dim():
+        raise InvalidArgumentError(f"parameter {name!r}: layout {layout} has {len(shape)} dimensions, the tensor "
+                                   f"{t.dim()}", hint="give the global shape and start with one entry per dimension")
+    if any(s < 0 or s + n > g for s, n, g in zip(start, t.shape, shape)):
+        raise InvalidArgumentError(f"parameter {name!r}: a {tuple(t.shape)} shard at {start} does not fit the "
+                                   f"global shape {shape}", hint="check the layout's start and global shape")
+    return t, shape, start
+
+
+def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapping[str, Layout]] = None,
+               rank: Optional[int] = None, tensor_transport: str = "auto",
+               timeout: Optional[float] = None) -> Shards:
+    """Inside an actor: publish this rank's local shards of ``state`` ({name: DTensor or plain tensor}) as
+    ``version``. A DTensor's layout is read from its placements (``Shard(d)``, ``Replicate``, uneven last shards;
+    ``Partial`` is refused); a plain tensor needs ``layouts[name]``. Returns the :class:`Shards` the driver gathers
+    into a :class:`Manifest`. A non-contiguous local shard is published as a contiguous copy."""
+    from .._api.tensor_method import _check_timeout, _check_transport
+
+    transport = _check_transport(tensor_transport)
+    seconds = _check_timeout(timeout)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgumentError(f"version must be an int >= 0, got {version!r}", hint="pass version=step")
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise InvalidArgumentError("put_shards takes a mapping of parameter names to tensors",
+                                   hint="pass model.state_dict() or {name: tensor}")
+    layouts = dict(layouts or {})
+    unknown = sorted(set(layouts) - set(state))
+    if unknown:
+        raise InvalidArgumentError(f"layouts name parameters not in the state: {unknown[:5]}",
+                                   hint="give a layout for each plain tensor you publish")
+    locals_: Dict[str, torch.Tensor] = {}
+    params: List[ParamInfo] = []
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"parameter {name!r} is a {type(value).__name__}, not a tensor",
+                                       hint="publish tensors only")
+        if is_dtensor(value):
+            local, shape, start = local_layout(name, value)
+        else:
+            local, shape, start = _plain_layout(name, value, layouts.get(name))
+        local = local.detach()
+        if local.device.type != "cpu":
+            raise InvalidArgumentError(f"parameter {name!r} is on {local.device}; sharded sync moves CPU tensors "
+                                       "for now", hint="publish t.cpu(), or use rdt.put for GPU tensors")
+        locals_[name] = local if local.is_contiguous() else local.contiguous()
+        params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
+    meta = _publish(locals_, transport, seconds)
+    return Shards(_rank(rank), version, tuple(params), meta)
+
+
+def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional[float]) -> Any:
+    import ray
+
+    from .._process.context import get_context
+    from .._producer.produce import produce
+
+    try:
+        in_actor = ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - not connected: not in an actor
+        in_actor = False
+    if not in_actor:
+        raise InvalidArgumentError("rdt.put_shards must be called inside an actor (the shards stay in it)",
+                                   hint="call it in the trainer actor's method and return the Shards it gives")
+    out = produce(get_context(), tensors, transport, timeout=timeout)
+    return out if isinstance(out, ObjectMeta) else None
+
+
+def _rank(rank: Optional[int]) -> int:
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}", hint="pass rank=dist.get_rank()")
+        return rank
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    raise InvalidArgumentError("put_shards needs rank= (no torch.distributed process group here to read it from)",
+                               hint="pass rank=<this trainer's rank>")
+
+
+class Manifest:
+    """Every producer rank's :class:`Shards` of one version: what the driver hands to consumers. Checked when made:
+    one version, one rank per publication, each parameter's dtype and global shape agreeing, and its boxes either
+    equal (replicas) or disjoint and covering it whole."""
+
+    def __init__(self, shards: Sequence[Shards]) -> None:
+        shards = list(shards)
+        if not shards or not all(isinstance(s, Shards) for s in shards):
+            raise InvalidArgumentError("a Manifest is made of the Shards every producer rank published",
+                                       hint="rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))")
+        versions = sorted({s.version for s in shards})
+        if len(versions) > 1:
+            by = {v: [s.rank for s in shards if s.version == v] for v in versions}
+            raise InvalidArgumentError(f"the manifest mixes versions: {by} (version: ranks)",
+                                       hint="gather the Shards of one version from every rank")
+        ranks = [s.rank for s in shards]
+        if len(set(ranks)) != len(ranks):
+            raise InvalidArgumentError(f"two publications claim the same rank: {sorted(ranks)}",
+                                       hint="give each producer rank its own rank=")
+        self.shards = sorted(shards, key=lambda s: s.rank)
+        self.version = versions[0]
+        self.layout_key = tuple((s.rank, s.layout_key) for s in self.shards)
+        self.holders: Dict[str, List[Tuple[Shards, ParamInfo]]] = {}
+        for s in self.shards:
+            for p in s.params:
+                self.holders.setdefault(p.name, []).append((s, p))
+        for name, held in self.holders.items():
+            _check_cover(name, held)
+
+    def __reduce__(self) -> Any:
+        return (Manifest, (self.shards,))
+
+    def __repr__(self) -> str:
+        return f"Manifest(version={self.version}, ranks={[s.rank for s in self.shards]}, {len(self.holders)} params)"
+
+
+def _check_cover(name: str, held: List[Tuple[Shards, ParamInfo]]) -> None:
+    """One dtype and global shape; distinct boxes disjoint and covering the whole parameter."""
+    first = held[0][1]
+    for s, p in held[1:]:
+        if (p.dtype, p.global_shape) != (first.dtype, first.global_shape):
+            raise InvalidArgumentError(
+                f"parameter {name!r}: rank {held[0][0].rank} publishes {first.dtype} {first.global_shape}, rank "
+                f"{s.rank} {p.dtype} {p.global_shape}", hint="every rank must publish the same global parameter")
+    boxes: Dict[Box, int] = {}
+    for s, p in held:
+        boxes.setdefault(p.box, s.rank)
+    distinct = list(boxes.items())
+    for i, (a, ra) in enumerate(distinct):
+        for b, rb in distinct[i + 1:]:
+            if intersect(a, b) is not None:
+                raise InvalidArgumentError(
+                    f"parameter {name!r}: the shards of rank {ra} {list(a)} and rank {rb} {list(b)} overlap without "
+                    "being equal", hint="shards must be disjoint (or identical replicas); check the layouts")
+    whole = 1
+    for n in first.global_shape:
+        whole *= n
+    if sum(volume(b) for b in boxes) != whole:
+        raise InvalidArgumentError(
+            f"parameter {name!r}: the ranks' shards cover {sum(volume(b) for b in boxes)} of its {whole} elements "
+            f"(global shape {first.global_shape})", hint="every element must be published by some rank; a rank is "
+            "missing from the manifest or a layout is wrong")

@@ -1,0 +1,152 @@
+"""Actors for tests/test_sharded.py: trainer ranks holding Shard(0) of a few parameters, consumer ranks with
+column-parallel, row-parallel and fused-qkv wants. Both sides build the full parameters the same way (seeded by
+name and version), so the driver can compare every landed byte against the narrowed full tensor."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import ray
+import torch
+
+import rdt
+
+H = 2048  # wide enough that each rank's shards (~110 KB) are held, not carried inline in the metadata
+SHAPES: Dict[str, Tuple[int, ...]] = {"q": (12, H), "k": (6, H), "v": (6, H), "o": (8, 1536), "gate": (10, H),
+                                      "norm": (H,)}
+REPLICATED = ("norm",)
+
+
+def full(name: str, version: int) -> torch.Tensor:
+    """Parameter ``name`` of ``version`` whole: distinct values everywhere, changed by every version."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)) + 7)
+    return torch.randn(SHAPES[name], generator=g) + version
+
+
+def splits(n: int, world: int) -> List[int]:
+    """torch.chunk's sizes (uneven last shards, as DTensor's Shard(0))."""
+    return [c.shape[0] for c in torch.arange(n).chunk(world)]
+
+
+def rows_of(name: str, rank: int, world: int, sizes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    sizes = list(sizes) if sizes is not None else splits(SHAPES[name][0], world)
+    start = sum(sizes[:rank])
+    return start, start + (sizes[rank] if rank < len(sizes) else 0)
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """Rank ``rank`` of ``world``: holds rows of every parameter (plain tensors with a layout, or DTensors)."""
+
+    def __init__(self, rank: int, world: int, dtensor_port: int = 0) -> None:
+        self.rank, self.world = rank, world
+        self.sizes: Dict[str, Optional[List[int]]] = {n: None for n in SHAPES}
+        self.mesh = None
+        if dtensor_port:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dtensor_port))
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            self.mesh = init_device_mesh("cpu", (world,))
+        self.version = 0
+        self._build()
+
+    def _build(self) -> None:
+        self.local: Dict[str, torch.Tensor] = {}
+        for name in SHAPES:
+            t = full(name, self.version)
+            if name not in REPLICATED:
+                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name])
+                t = t[lo:hi].clone()
+            self.local[name] = t
+
+    def file(self) -> str:
+        return rdt.__file__
+
+    def step(self) -> None:
+        """The optimizer's in-place update: every parameter moves to the next version's values."""
+        self.version += 1
+        for name, t in self.local.items():
+            t.add_(1.0)
+
+    def reshard(self, name: str, sizes: List[int]) -> None:
+        """Change how ``name`` is split across the ranks (a changed layout)."""
+        self.sizes[name] = sizes
+        self._build()
+
+    def state(self) -> Dict[str, Any]:
+        if self.mesh is None:
+            return dict(self.local)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        out = {}
+        for name, t in self.local.items():
+            shape = SHAPES[name]
+            stride = torch.empty(shape).stride()
+            place = [Replicate()] if name in REPLICATED else [Shard(0)]
+            out[name] = DTensor.from_local(t, self.mesh, place, run_check=False, shape=torch.Size(shape),
+                                           stride=stride)
+        return out
+
+    def layouts(self) -> Dict[str, rdt.Layout]:
+        out = {}
+        for name in SHAPES:
+            if name in REPLICATED:
+                out[name] = rdt.Layout.whole(SHAPES[name])
+            else:
+                lo, _ = rows_of(name, self.rank, self.world, self.sizes[name])
+                out[name] = rdt.Layout(SHAPES[name], (lo,) + (0,) * (len(SHAPES[name]) - 1))
+        return out
+
+    def publish(self, transport: str = "shm") -> rdt.Shards:
+        if self.mesh is not None:
+            return rdt.put_shards(self.state(), version=self.version, tensor_transport=transport)
+        return rdt.put_shards(self.state(), version=self.version, layouts=self.layouts(), rank=self.rank,
+                              tensor_transport=transport)
+
+    @rdt.tensor_method(tensor_transport="shm")
+    def dtensor_state(self) -> Dict[str, Any]:
+        return self.state()
+
+
+def wants(rank: int, tp: int) -> List[Tuple[str, List[Tuple[str, int, int, int]], int, str]]:
+    """Tensor-parallel rank ``rank`` of ``tp``: (target, [(param, dim, start, length)], cat dim, dtype)."""
+    q, k, o_cols, gate = SHAPES["q"][0] // tp, SHAPES["k"][0] // tp, SHAPES["o"][1] // tp, SHAPES["gate"][0] // tp
+    return [
+        ("qkv", [("q", 0, rank * q, q), ("k", 0, rank * k, k), ("v", 0, rank * k, k)], 0, "float32"),  # fused
+        ("o", [("o", 1, rank * o_cols, o_cols)], 0, "float32"),  # row-parallel: a strided slice
+        ("gate", [("gate", 0, rank * gate, gate)], 0, "float32"),  # column-parallel, across uneven shards
+        ("gate_bf16", [("gate", 0, rank * gate, gate)], 0, "bfloat16"),  # the same with a cast
+        ("norm", [("norm", -1, 0, -1)], 0, "float32"),  # replicated, whole
+    ]
+
+
+def expected(rank: int, tp: int, version: int) -> Dict[str, torch.Tensor]:
+    out = {}
+    for target, regions, dim, dtype in wants(rank, tp):
+        parts = [full(p, version) if d < 0 else full(p, version).narrow(d, s, n) for p, d, s, n in regions]
+        out[target] = torch.cat(parts, dim).to(getattr(torch, dtype))
+    return out
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """An engine rank: its targets, and a loader that fills them."""
+
+    def __init__(self, rank: int, tp: int) -> None:
+        self.loader = rdt.WeightLoader()
+        self.targets: Dict[str, torch.Tensor] = {}
+        ref = expected(rank, tp, 0)
+        for target, regions, dim, dtype in wants(rank, tp):
+            t = self.targets[target] = torch.full(ref[target].shape, -1.0, dtype=getattr(torch, dtype))
+            regs = [rdt.Region(p) if d < 0 else rdt.Region(p, d, s, n) for p, d, s, n in regions]
+            self.loader.want(t, regs, dim=dim, cast=dtype != "float32", name=target)
+
+    def load(self, manifest: rdt.Manifest, timeout: float = 30.0) -> Dict[str, Any]:
+        report = self.loader.load(manifest, timeout=timeout)
+        return {"report": report, "targets": {k: v.clone() for k, v in self.targets.items()},
+                "plans": self.loader.plans, "replays": self.loader.replays,
+                "target_bytes": sum(v.nbytes if v.dtype == torch.float32 else v.numel() * 4
+                                    for v in self.targets.values())}
