@@ -571,3 +571,25 @@ def test_a_receive_whose_message_arrived_succeeds_when_the_peer_leaves_right_aft
     finally:
         b0.shutdown()
         b1.shutdown()
+
+
+@pytest.mark.parametrize("numel", [16, 1 << 20])  # inline in the header; a payload of its own after the ACK
+def test_finished_operations_keep_no_tensor(numel: int) -> None:
+    """Once a send and a receive completed, the backend holds neither tensor (nor a view of its memory) and no
+    table keeps the operations: a step's tensors are freed when the caller drops them, not at group destroy."""
+    b0, b1 = _make_pair()  # a fresh pair: the module's keeps a receive that timed out (still pending, rightly)
+    try:
+        for _ in range(3):  # the second and third sends of a size are fast: they complete before their verdicts
+            src, dst = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
+            storages = [weakref.ref(src.untyped_storage()), weakref.ref(dst.untyped_storage())]
+            _exchange(b0, b1, src, dst, _tag())
+            assert torch.equal(src, dst)
+            del src, dst
+            gc.collect()
+            assert [s() is None for s in storages] == [True, True]
+        for b in (b0, b1):
+            assert not b._pending
+            assert not [op for op in b._engine._ops if isinstance(op, _ucx_ops.P2POp)]
+    finally:
+        b0.shutdown()
+        b1.shutdown()
