@@ -49,6 +49,7 @@ class P2POp(Op):
         self.state: Any = None
         self.reqs: List[Any] = []
         self.buffers: List[Any] = []  # kept alive while UCX may touch them
+        self.prev: Optional[SendOp] = None  # a send's predecessor on the pair, until its verdict was read
 
     def requests(self) -> List[Any]:
         return self.reqs
@@ -56,6 +57,19 @@ class P2POp(Op):
     def start(self) -> None:
         self.backend._ensure_connection(self.peer)
         self.advance()
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """Done: out of the pending table, and rid of the tensor and payload buffers once UCX is through with them
+        (its Work, or the peer's next send, may keep the operation itself for a while)."""
+        if self.done:
+            return
+        super().finish(error)
+        self.backend._finished(self)
+        self.prev = None
+        if error is None or all(r.completed for r in self.requests()):  # else a zombie: UCX may still touch them
+            self.tensor = None
+            self.buffers = []
+            self.reqs = []
 
     def advance(self) -> None:
         if self.state is None:
@@ -146,7 +160,7 @@ class SendOp(P2POp):
         self.reqs = [self.reply_req, self.head_req]
         state = self.state
         self.fast = inline and (self.nbytes, self.dcode) in state.agreed
-        self.prev: Optional[SendOp] = state.unverified  # its verdict must be in before this send completes
+        self.prev = state.unverified  # its verdict must be in before this send completes
         state.unverified = self
 
     def requests(self) -> List[Any]:
