@@ -18,7 +18,7 @@ FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
 def as_torch(array: Any, *, what: str = "tensor") -> torch.Tensor:
     """A torch view of ``array`` (no copy), so that results written to it land in the caller's array."""
     if isinstance(array, torch.Tensor):
-        return array
+        return plain_if_empty(array)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(array, np.ndarray):
         if not array.flags["C_CONTIGUOUS"]:
@@ -27,14 +27,20 @@ def as_torch(array: Any, *, what: str = "tensor") -> torch.Tensor:
             )
         if not array.flags["WRITEABLE"]:
             raise InvalidArgumentError(f"{what} is a read-only numpy array", hint="pass a writeable copy")
-        return torch.from_numpy(array)
+        return plain_if_empty(torch.from_numpy(array))
     cp = sys.modules.get("cupy")
     if cp is not None and isinstance(array, cp.ndarray):
-        return torch.as_tensor(array, device=f"cuda:{array.device.id}")
+        return plain_if_empty(torch.as_tensor(array, device=f"cuda:{array.device.id}"))
     raise InvalidArgumentError(
         f"{what} must be a torch.Tensor, numpy.ndarray or cupy.ndarray, got {type(array).__name__}",
         hint="convert it with torch.as_tensor(...)",
     )
+
+
+def plain_if_empty(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh empty tensor like it when it has no elements: numpy gives size-0 arrays zero strides, which
+    no flat byte view accepts, and an empty tensor shares no memory, so nothing is lost by standing in for it."""
+    return t if t.numel() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def check_tensor(t: torch.Tensor, *, what: str, devices: frozenset, backend: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from . import algorithms
 from ._checked_p2p import CheckedP2P
-from ._tensors import FLOAT_DTYPES, SUPPORTED_DTYPES, as_torch, check_same, check_tensor
+from ._tensors import FLOAT_DTYPES, SUPPORTED_DTYPES, as_torch, check_same, check_tensor, plain_if_empty
 from .backends.base import TAG_KIND_OBJECT, TAG_KIND_P2P, TAG_KIND_SHIFT, Backend, Work
 from .errors import (
     CollectiveTimeoutError,
@@ -422,6 +422,8 @@ class CollectiveGroup:
         start = time.monotonic()
         deadline = start + (self.timeout if timeout is None else to_seconds(timeout, self.timeout))
         nbytes = tensor.nbytes
+        if not nbytes:
+            tensor = plain_if_empty(tensor)  # e.g. torch.from_numpy of a size-0 array: zero strides
         call_id = next(self._call_ids)
         calls = self._calls
         calls[call_id] = start

@@ -26,6 +26,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from ..errors import RdtError
 from ._ucx_progress import Op
 
 # Control record: kind, dtype code, flags, tag, nbytes, reserved (same layout as the connection's control tag).
@@ -55,6 +56,7 @@ class P2POp(Op):
         self.state: Any = None
         self.reqs: List[Any] = []
         self.buffers: List[Any] = []  # kept alive while UCX may touch them
+        self.prev: Optional[SendOp] = None  # a send's predecessor on the pair, until its verdict was read
 
     def requests(self) -> List[Any]:
         return self.reqs
@@ -62,6 +64,19 @@ class P2POp(Op):
     def start(self) -> None:
         self.backend._ensure_connection(self.peer)
         self.advance()
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """Done: out of the pending table, and rid of the tensor and payload buffers once UCX is through with them
+        (its Work, or the peer's next send, may keep the operation itself for a while)."""
+        if self.done:
+            return
+        super().finish(error)
+        self.backend._finished(self)
+        self.prev = None
+        if error is None or all(r.completed for r in self.requests()):  # else a zombie: UCX may still touch them
+            self.tensor = None
+            self.buffers = []
+            self.reqs = []
 
     def advance(self) -> None:
         if self.done:  # withdrawn by its timed-out wait: it takes no further step
@@ -74,12 +89,22 @@ class P2POp(Op):
                 return  # still connecting (the loop thread attaches the endpoint, then wakes us)
             self.state = state
             self.begin()
-        if self.state.error is not None:
+        # What arrived counts before a failure of the peer is acted on: its BYE (or close) comes after the last
+        # message of a transfer it completed, but the loop thread can mark the peer gone before this operation is
+        # looked at (both read in one progress, on a busy machine). So step first; fail only what still needs it.
+        try:
+            for r in self.reqs:
+                if r.completed:
+                    r.check_error()
+            self.step()
+        except RdtError:
+            raise
+        except Exception:
+            if self.state.error is not None:  # UCX's view of the same departure: report it as the peer's
+                raise self.state.error from None
+            raise
+        if not self.done and self.state.error is not None:
             raise self.state.error
-        for r in self.reqs:
-            if r.completed:
-                r.check_error()
-        self.step()
 
     def begin(self) -> None:
         """Post the first requests on the connected pair."""
@@ -109,7 +134,7 @@ class P2POp(Op):
         request = self.backend._raw_send(self.state, buf, REPLY_TAG | self.tag)
         self.buffers.append(buf)
         if kind != ACK:
-            self.backend._engine.background(request)
+            self.backend._engine.background(request, buf)
         return request
 
     def mismatch(self, their_nbytes: int, their_dcode: int) -> BaseException:
@@ -149,7 +174,7 @@ class SendOp(P2POp):
         self.reqs = [self.reply_req, self.head_req]
         state = self.state
         self.fast = inline and (self.nbytes, self.dcode) in state.agreed
-        self.prev: Optional[SendOp] = state.unverified  # its verdict must be in before this send completes
+        self.prev = state.unverified  # its verdict must be in before this send completes
         state.unverified = self
 
     def requests(self) -> List[Any]:
@@ -241,9 +266,16 @@ class RecvOp(P2POp):
         self.head_req = self.backend._raw_recv(self.state, self.head, HDR_TAG | self.tag, self.spare[1])
         self.buffers.append(self.spare)
         self.data_req: Optional[Any] = None
+        self.ack: Optional[Any] = None  # the ACK of a payload that came inline (or of an empty one)
         self.reqs = [self.head_req]
 
+    def requests(self) -> List[Any]:
+        return self.reqs if self.ack is None else self.reqs + [self.ack]
+
     def step(self) -> None:
+        if self.ack is not None:
+            self._acked()
+            return
         if self.data_req is not None:
             if _all_done(self.reqs):
                 self.finish()
@@ -257,13 +289,23 @@ class RecvOp(P2POp):
         if flags & INLINE or not self.nbytes:
             if self.nbytes:
                 self.backend._fill(self.tensor, memoryview(self.head)[CTL.size:CTL.size + self.nbytes])
-            self.data_req = self.reply(ACK)  # nothing more to receive: done when the ACK is out
-        else:
-            self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
-            self.reqs.append(self.reply(ACK))
+            self.backend._give_buffer(self.spare)  # its receive completed and its bytes are consumed
+            self.ack = self.reply(ACK)  # nothing more to receive
+            self._acked()
+            return
+        self.data_req = self.recv(self.backend._byte_view(self.tensor), self.tag)
+        self.reqs.append(self.reply(ACK))
         self.backend._give_buffer(self.spare)  # its receive completed and its bytes are consumed
         self.reqs.append(self.data_req)
         if _all_done(self.reqs):
+            self.finish()
+
+    def _acked(self) -> None:
+        """The data is in the tensor; done once the ACK is out, or at once when the sender is gone (the ACK is
+        for the sender's sake: its failure does not undo a receive that is complete)."""
+        ack = self.ack
+        if ack.completed or self.state.error is not None:
+            self.backend._engine.background(ack, self.buffers[-1])  # its error, if any, is consumed there
             self.finish()
 
 

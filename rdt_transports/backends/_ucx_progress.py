@@ -27,7 +27,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from .. import _spin
 
@@ -79,7 +79,7 @@ class ProgressEngine:
         worker.init_blocking_progress_mode()
         self.lock = threading.Lock()  # UCX submission and progress
         self._ops: List[Op] = []
-        self._background: List[Any] = []  # requests nobody waits for (ACK / NACK sends)
+        self._background: List[Tuple[Any, Any]] = []  # (request, its buffer) nobody waits for (ACK / NACK sends)
         self._zombies: List[Op] = []
         self._cond = threading.Condition()
         self._driving = 0  # threads in wait()
@@ -109,9 +109,9 @@ class ProgressEngine:
         elif op.error is not None:
             self._bury(op)
 
-    def background(self, request: Any) -> None:
-        """Keep a request nobody waits for until it completes (engine lock held)."""
-        self._background.append(request)
+    def background(self, request: Any, keep: Any = None) -> None:
+        """Keep a request nobody waits for, and ``keep`` (its buffer), until it completes (engine lock held)."""
+        self._background.append((request, keep))
 
     def fail_all(self, error: BaseException) -> None:
         """Finish every pending operation with ``error`` (abort / shutdown) and wake every waiter."""
@@ -159,7 +159,7 @@ class ProgressEngine:
                         still.append(op)
                 self._ops = still
             if self._background:
-                self._background = [r for r in self._background if not _settled(r)]
+                self._background = [rk for rk in self._background if not _settled(rk[0])]
             if self._zombies and len(self._zombies) % 64 == 0:
                 self._zombies = [z for z in self._zombies if any(not r.completed for r in z.requests())]
             if finished and self._driving > 1:

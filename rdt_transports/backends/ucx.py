@@ -364,7 +364,7 @@ class UcxBackend(Backend):
         self._engine: Optional[ProgressEngine] = None
         self._node = _node_id()
         self._hello_pending: Set[int] = set()  # client ranks with a same-node handshake in progress
-        self._pending: Dict[Tuple[str, int, int], P2POp] = {}  # (op, peer, tag) -> latest operation
+        self._pending: Dict[Tuple[str, int, int], P2POp] = {}  # (op, peer, tag) -> operation in flight
         self._pending_lock = threading.Lock()
         self._spares: Dict[int, List[Tuple[bytearray, Any]]] = {}  # receive buffers by size (_take_buffer)
         self._bye_task: Optional["asyncio.Task[Any]"] = None
@@ -1027,14 +1027,19 @@ class UcxBackend(Backend):
                                            "is already pending", **self._ectx(peer, op),
                                            hint="use a unique tag per pending transfer")
             work_op: P2POp = (SendOp if op == "send" else RecvOp)(self, tensor, peer, tag)
-            self._pending[key] = work_op
-            if len(self._pending) > 4096:
-                self._pending = {k: v for k, v in self._pending.items() if not v.done}
+            self._pending[key] = work_op  # until it finishes (_finished)
         engine = self._engine
         if engine is None:
             raise self._closed_error(peer, op)
         engine.post(work_op)
         return _UcxWork(self, work_op)
+
+    def _finished(self, op: P2POp) -> None:
+        """An operation ended: it leaves the pending table (engine lock held; the pending lock nests inside it)."""
+        key = (op.kind, op.peer, op.tag)
+        with self._pending_lock:
+            if self._pending.get(key) is op:
+                del self._pending[key]
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Post a send of ``tensor`` to ``peer`` with ``tag``."""

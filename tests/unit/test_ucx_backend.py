@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -604,6 +604,93 @@ def test_a_recv_that_times_out_mid_transfer_is_never_written_after_its_error() -
                 assert torch.equal(t, src)
             else:
                 assert isinstance(got[0], CollectiveTimeoutError), got[0]
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+def _bye_read_first(b0: UcxBackend, b1: UcxBackend, peer_side: Callable[[], None], arrived: Callable[[], bool]) -> None:
+    """The order a busy machine produced (a CPU hog beside a 2-rank group): rank 1 does its part of a transfer
+    (``peer_side``) and leaves at once, while nothing progresses rank 0 (its waiter descheduled); rank 0 then reads
+    the transfer's last message and rank 1's BYE in one progress, and its loop thread marks rank 1 gone before the
+    operation itself is looked at."""
+    engine = b0._engine
+    deadline = time.monotonic() + 10
+    waiting = 1 + bool(b0._node)  # receives of the asyncio side: the control reader's (+ same-node hellos)
+    while sum(isinstance(op, ucx_mod.AwaitOp) for op in engine._ops) < waiting and time.monotonic() < deadline:
+        time.sleep(0.001)  # the reader posts its receive on the loop thread, under the engine lock taken below
+    with engine.lock:
+        peer_side()
+        b1.shutdown()  # BYE
+
+        def readers() -> list:  # completed receives of the asyncio side (the control reader's: the BYE)
+            return [op for op in engine._ops if isinstance(op, ucx_mod.AwaitOp) and op._req is not None
+                    and op._req.completed]
+
+        while not (arrived() and readers()) and time.monotonic() < deadline:
+            engine._worker.progress()
+        assert arrived() and readers()
+        for op in readers():
+            op.advance()  # hands the BYE to the loop thread, which marks rank 1 gone ...
+        state = b0._peers[1]
+        while state.error is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert state.error is not None  # ... before rank 0's operation is advanced
+
+
+def test_a_send_that_went_through_succeeds_when_the_peer_leaves_right_after() -> None:
+    """A send whose verdict arrived before the peer's BYE completes; the departure fails only what still needs the
+    peer (it used to fail with "connection to rank 1 closed: the peer aborted or shut down")."""
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b0, b1, torch.ones(4), torch.zeros(4), _tag())  # connected
+        tag = _tag()
+        send = b0.isend(torch.empty(0, dtype=torch.int64), 1, tag)  # a new (size, dtype): waits for its verdict
+        _bye_read_first(b0, b1, lambda: b1.irecv(torch.empty(0, dtype=torch.int64), 0, tag).wait(10),
+                        lambda: send._op.reply_req.completed)
+        send.wait(10)
+        with pytest.raises(ucx_mod.PeerUnavailableError, match="aborted or shut down"):
+            b0.isend(torch.ones(3), 1, _tag()).wait(10)  # what comes after the departure does fail
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+def test_a_receive_whose_message_arrived_succeeds_when_the_peer_leaves_right_after() -> None:
+    """The receiving side: rank 1's fast send completes at once and rank 1 leaves; rank 0 reads the message and
+    the BYE in one progress, and its loop thread marks rank 1 gone first."""
+    b0, b1 = _make_pair()
+    try:
+        _exchange(b1, b0, torch.ones(3), torch.zeros(3), _tag())  # (12 bytes, float32) agreed: the next is fast
+        tag = _tag()
+        dst = torch.zeros(3)
+        recv = b0.irecv(dst, 1, tag)
+        _bye_read_first(b0, b1, lambda: b1.isend(torch.full((3,), 7.0), 0, tag).wait(10),
+                        lambda: recv._op.head_req.completed)
+        recv.wait(10)
+        assert torch.equal(dst, torch.full((3,), 7.0))
+    finally:
+        b0.shutdown()
+        b1.shutdown()
+
+
+@pytest.mark.parametrize("numel", [16, 1 << 20])  # inline in the header; a payload of its own after the ACK
+def test_finished_operations_keep_no_tensor(numel: int) -> None:
+    """Once a send and a receive completed, the backend holds neither tensor (nor a view of its memory) and no
+    table keeps the operations: a step's tensors are freed when the caller drops them, not at group destroy."""
+    b0, b1 = _make_pair()  # a fresh pair: the module's keeps a receive that timed out (still pending, rightly)
+    try:
+        for _ in range(3):  # the second and third sends of a size are fast: they complete before their verdicts
+            src, dst = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
+            storages = [weakref.ref(src.untyped_storage()), weakref.ref(dst.untyped_storage())]
+            _exchange(b0, b1, src, dst, _tag())
+            assert torch.equal(src, dst)
+            del src, dst
+            gc.collect()
+            assert [s() is None for s in storages] == [True, True]
+        for b in (b0, b1):
+            assert not b._pending
+            assert not [op for op in b._engine._ops if isinstance(op, _ucx_ops.P2POp)]
     finally:
         b0.shutdown()
         b1.shutdown()
