@@ -13,6 +13,8 @@ import torch
 
 import rdt
 
+SENTINEL = 0x5A  # what a consumer writes over what it received (or its targets after an error), then re-checks
+
 
 def relay_state(big: int, seed: int) -> Dict[str, torch.Tensor]:
     """A state dict of three large float32 tensors (``big`` elements each, several chunks) and 40 small ones of
@@ -78,6 +80,39 @@ class RelayNode:
         except Exception as e:  # noqa: BLE001 - the test inspects the error
             return ("err", type(e).__name__, str(e), time.monotonic() - t0)
         return ("ok", digests(value), time.monotonic() - t0)
+
+    def fetch_and_hold(self, refs: List[Any], start: float, mode: str, timeout: float) -> Any:
+        """Like :meth:`fetch_at`, then overwrite every tensor the fetch returned, or its ``into`` targets after an
+        error, with :data:`SENTINEL` bytes and keep them: :meth:`held_intact` shows whether anything wrote into
+        them after the fetch returned or raised."""
+        time.sleep(max(0.0, start - time.time()))
+        t0 = time.monotonic()
+        like: Dict[str, torch.Tensor] = {}
+        try:
+            if mode == "into":
+                like = {k: torch.empty(s, dtype=getattr(torch, d.split(".")[-1]))
+                        for k, (d, s, _) in self._shapes.items()}
+                value = rdt.get(refs[0], into=like, timeout=timeout)
+            else:
+                value = rdt.get(refs[0], timeout=timeout)
+            result: Any = ("ok", digests(value), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - the test inspects the error
+            value = like
+            result = ("err", type(e).__name__, str(e), time.monotonic() - t0)
+        for t in value.values():
+            t.view(-1).view(torch.uint8).fill_(SENTINEL)
+        self._held = list(value.values())
+        return result
+
+    def held_intact(self) -> bool:
+        """Whether every tensor :meth:`fetch_and_hold` kept still holds only sentinel bytes."""
+        return all(bool(t.view(-1).view(torch.uint8).eq(SENTINEL).all()) for t in self._held)
+
+    def group_states(self) -> List[str]:
+        """The state of every collective group this actor is in."""
+        from rdt_transports._context import get_context
+
+        return [g.state.value for g in get_context().groups() if g is not None]
 
     def expect(self, shapes: Dict[str, Any]) -> None:
         """The dtypes and shapes ``fetch_at(mode="into")`` allocates targets for."""
