@@ -128,14 +128,14 @@ def hold_first_relay_post(marker: str) -> None:
     from rdt.transports import group as group_transport
 
     cls = group_transport._RelayReceive
-    original = cls._post
+    original = cls._phase
 
     def held(self: Any, source: int, tag_base: int, first: int) -> Any:
         if source != self.ref.rank:
-            cls._post = original
+            cls._phase = original
             end = time.monotonic() + 30.0
             while not os.path.exists(marker) and time.monotonic() < end:
                 time.sleep(0.01)
         return original(self, source, tag_base, first)
 
-    cls._post = held
+    cls._phase = held

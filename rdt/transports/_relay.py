@@ -24,7 +24,8 @@ import torch
 
 CHUNK = 4 << 20  # bytes per relayed message at most: a 4-worker sync of 988 MB takes ~790 ms, ~850 with 1 MiB
 # chunks (four times the Gloo operations), and no less with 16 MiB ones (a longer pipeline fill)
-LOOKAHEAD = 8  # chunks a member waits for at once while nobody follows it (fewer wake-ups for a lone consumer)
+PARK_MAX = 4  # fetches whose receives from a stalled relay are parked, per process, beyond which none is chained
+PARK_MIN_S = 60.0  # a parked receive waits at least this long past its fetch's deadline for the relay to send
 
 MODE_RELAY = 1
 REPLY = "!BIIQ"  # mode, source rank, position in the chain (0: fed by the producer), chain id
@@ -82,7 +83,9 @@ class RelayTable:
         self.joined = 0  # consumers appended behind another one (producer side)
         self.fallbacks = 0  # times this consumer asked the producer for what a dead or stalled relay did not send
         self.forward_failures = 0  # forwards to a follower that failed (the follower falls back on its own)
+        self.parked = 0  # fetches of this consumer whose receives from a stalled relay may still land (live)
         self._pollers: Optional[ThreadPoolExecutor] = None
+        self._waiters: Optional[ThreadPoolExecutor] = None
 
     def pollers(self) -> ThreadPoolExecutor:
         """Threads that wait, for this process's chained fetches, for the producer to name their followers (each
@@ -91,6 +94,15 @@ class RelayTable:
             if self._pollers is None:
                 self._pollers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rdt-relay-poll")
             return self._pollers
+
+    def waiters(self) -> ThreadPoolExecutor:
+        """Threads that wait, for this process's chained fetches, for their chunks to land, one source's chunks
+        in order (a parked one until the stalled relay sends, dies or the group goes; see ``group._Phase``).
+        Bounded: at most two per fetch (``rdt-fetch-wait`` runs at most 8) and :data:`PARK_MAX` parked ones."""
+        with self._cond:
+            if self._waiters is None:
+                self._waiters = ThreadPoolExecutor(max_workers=32, thread_name_prefix="rdt-relay-wait")
+            return self._waiters
 
     # ---------------------------------------------------------------- producer
     def join(self, obj_id: bytes, uid: str, rank: int, tag_base: int,
@@ -177,14 +189,17 @@ class RelayTable:
                 self._close(chain, tail)
 
     def close(self) -> None:
-        """At shutdown: close every tail (held polls are answered) and stop the poller threads (not waiting)."""
+        """At shutdown: close every tail (held polls are answered) and stop the poller and waiter threads (not
+        waiting: a waiter blocked in Gloo ends when its group is aborted at exit)."""
         with self._cond:
             for chain in list(self._chains.values()):
                 if chain.tail is not None and not chain.tail.closed:
                     self._close(chain, chain.tail)
-            pollers, self._pollers = self._pollers, None
-        if pollers is not None:
-            pollers.shutdown(wait=False, cancel_futures=True)
+            pools = [self._pollers, self._waiters]
+            self._pollers = self._waiters = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- both
     def add(self, counter: str, n: int = 1) -> None:
@@ -197,7 +212,7 @@ class RelayTable:
             self._sweep(time.monotonic())
             return {"chains": len(self._chains), "open_tails": len(self._open), "joined": self.joined,
                     "served_bytes": self.served_bytes, "relayed_bytes": self.relayed_bytes,
-                    "fallbacks": self.fallbacks, "forward_failures": self.forward_failures}
+                    "fallbacks": self.fallbacks, "forward_failures": self.forward_failures, "parked": self.parked}
 
 
 EMPTY_STATS: Dict[str, int] = RelayTable().snapshot()
