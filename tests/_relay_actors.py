@@ -81,6 +81,14 @@ class RelayNode:
             return ("err", type(e).__name__, str(e), time.monotonic() - t0)
         return ("ok", digests(value), time.monotonic() - t0)
 
+    def fetch_concurrently(self, refs: List[Any], start: float, timeout: float) -> List[Any]:
+        """At wall-clock ``start``, fetch every ref of ``refs`` at once, one thread each; per ref what
+        :meth:`fetch_at` returns."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(refs)) as pool:
+            return list(pool.map(lambda r: self.fetch_at([r], start, "get", timeout), refs))
+
     def fetch_and_hold(self, refs: List[Any], start: float, mode: str, timeout: float) -> Any:
         """Like :meth:`fetch_at`, then overwrite every tensor the fetch returned, or its ``into`` targets after an
         error, with :data:`SENTINEL` bytes and keep them: :meth:`held_intact` shows whether anything wrote into

@@ -257,3 +257,40 @@ def test_a_stalled_relay_is_bypassed_and_the_group_serves_the_next_step(ray_clus
         if pid_alive(pid):
             os.kill(pid, signal.SIGCONT)
         _tear_down(pid, group, actors)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29: held relay polls take every control worker of the producer "
+                   "(fixed in the next commit)")
+def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluster):
+    """A relayed fetch asks its producer whom to forward to, and the producer holds that poll until a follower
+    joins or the fetch says it is done. 16 lone relayed fetches of 16 objects at once (two consumers, 8 each,
+    as many as their fetch threads) must each end well within their timeout, and the producer's control server
+    must answer other requests (stats) promptly meanwhile."""
+    actors = [RelayNode.remote() for _ in range(3)]
+    p, cs = actors[0], actors[1:]
+    group = rdt.create_collective_group(actors, backend="gloo")
+    try:
+        ray.get([c.configure.remote(transfer_timeout=30.0, relay_min_bytes=1 << 20) for c in cs])
+        refs = [p.state.remote(1 << 20, 100 + i) for i in range(16)]
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        start = time.time() + 1.0
+        calls = [c.fetch_concurrently.remote(refs[i::2], start, 20.0) for i, c in enumerate(cs)]
+        waits = []
+        while len(ray.wait(calls, num_returns=2, timeout=0)[0]) < 2 and len(waits) < 200:
+            t = time.monotonic()
+            rdt.stats(p, timeout=30.0)
+            waits.append(time.monotonic() - t)
+            time.sleep(0.05)
+        results = [r for rs in ray.get(calls, timeout=60) for r in rs]
+        for i, r in enumerate(results):
+            assert r[0] == "ok", r
+            assert r[1] == digests(relay_state(1 << 20, 100 + 2 * (i % 8) + i // 8)), i
+        slowest, stats_wait = max(r[2] for r in results), max(waits)
+        assert slowest < 10 and stats_wait < 5, \
+            f"a fetch took {slowest:.1f}s (timeout 20 s), a stats request {stats_wait:.1f}s: the producer's control " \
+            "server was held"
+        assert _relay(p)["served_bytes"] > 0 and wait_for(lambda: _relay(p)["chains"] == 0, timeout=30)
+    finally:
+        rdt.destroy_collective_group(group)
+        for a in actors:
+            ray.kill(a)
