@@ -259,8 +259,6 @@ def test_a_stalled_relay_is_bypassed_and_the_group_serves_the_next_step(ray_clus
         _tear_down(pid, group, actors)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: held relay polls take every control worker of the producer "
-                   "(fixed in the next commit)")
 def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluster):
     """A relayed fetch asks its producer whom to forward to, and the producer holds that poll until a follower
     joins or the fetch says it is done. 16 lone relayed fetches of 16 objects at once (two consumers, 8 each,
