@@ -147,3 +147,41 @@ def hold_first_relay_post(marker: str) -> None:
         return original(self, source, tag_base, first)
 
     cls._phase = held
+
+
+def relay_chains() -> List[Tuple[int, str, str, List[int]]]:
+    """(in a producer) Its relay chains: (chain id, object id hex, group uid, member ranks)."""
+    from rdt._context import get_context
+    from rdt.transports import _relay
+
+    table = _relay.table(get_context())
+    with table._cond:
+        return [(cid, c.key[0].hex(), c.key[1], list(c.members)) for cid, c in table._chains.items()]
+
+
+def control_address() -> str:
+    """(in a producer) Its control server's address."""
+    from rdt._context import get_context
+
+    return get_context().producer_info().control_address
+
+
+def poll_relay_chain(address: str, obj_hex: str, group_uid: str, rank: int, cid: int, final: int) -> Tuple[Any, ...]:
+    """(in a member of the group ``group_uid``) Ask the producer at ``address`` whom ``rank`` of chain ``cid``
+    forwards ``obj_hex`` to, as a chained consumer does, signed with that group's secret (``final``: and close
+    it); ("ok", follower rank) or ("err", error code, text)."""
+    import struct
+
+    from rdt import _control
+    from rdt._context import get_context
+    from rdt.transports import _relay
+    from rdt_transports._context import get_context as transport_context
+
+    group = next(g for g in transport_context().groups() if g is not None and g.uid == group_uid)
+    payload = bytes.fromhex(obj_hex) + bytes.fromhex(group_uid) + struct.pack(_relay.NEXT_REQUEST, rank, cid, 200,
+                                                                              final)
+    resp_type, resp = get_context().client.request(address, _control.REQ_RELAY_NEXT, _control.KEY_GROUP,
+                                                   group.backend.config.secret, payload, 10.0)
+    if resp_type == _control.RESP_OK:
+        return ("ok", struct.unpack(_relay.NEXT_REPLY, resp)[0])
+    return ("err", struct.unpack_from("!H", resp)[0], resp[2:].decode(errors="replace"))

@@ -17,7 +17,10 @@ import ray
 import rdt
 from rdt._shm import pid_alive
 
-from ._relay_actors import RelayNode, digests, hold_first_relay_post, nbytes, relay_state
+from rdt import _control
+
+from ._relay_actors import (RelayNode, control_address, digests, hold_first_relay_post, nbytes, poll_relay_chain,
+                            relay_chains, relay_state)
 from .conftest import wait_for
 
 BIG = 6 << 20  # float32 elements per large tensor: the object is about 75 MiB
@@ -292,3 +295,45 @@ def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluste
         rdt.destroy_collective_group(group)
         for a in actors:
             ray.kill(a)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29: relay polls are not bound to their chain's group and object "
+                   "(fixed in the next commit)")
+def test_a_member_of_another_group_cannot_poll_or_close_a_chain(ray_cluster):
+    """The producer is in group A (with c1, c2) and group B (with x). While c1 receives (stopped mid-chain), x
+    polls c1's chain in A and asks to close it, signing with B's secret and naming the chain's id and c1's rank
+    (the worst case: it knows them), and c2, a member of A, does the same for another object: the producer
+    refuses each with a typed error, the chain stays open, and c2's fetch is still chained behind c1."""
+    p, c1, c2, x = actors = [RelayNode.remote() for _ in range(4)]
+    a = rdt.create_collective_group([p, c1, c2], backend="gloo")
+    b = rdt.create_collective_group([p, x], backend="gloo")
+    ray.get([n.configure.remote(transfer_timeout=30.0) for n in actors])
+    pid = ray.get(c1.pid.remote())
+    try:
+        ref = p.state.remote(BIG * 2, 11)
+        ray.wait([ref], timeout=60)
+        first = _stop_while_receiving(p, c1, pid, ref)
+        [(cid, obj, uid, ranks)] = ray.get(p.call.remote(relay_chains), timeout=30)
+        assert uid == a.uid and ranks == [1]
+        address = ray.get(p.call.remote(control_address), timeout=30)
+        answers = [ray.get(x.call.remote(poll_relay_chain, address, obj, b.uid, 1, cid, final), timeout=30)
+                   for final in (0, 1)]
+        answers.append(ray.get(c2.call.remote(poll_relay_chain, address, "00" * 16, a.uid, 1, cid, 1), timeout=30))
+        for answer in answers:
+            assert answer[0] == "err" and answer[1] == _control.ERR_BAD_REQUEST, answer
+            assert f"no chain {cid}" in answer[2], answer
+        assert _relay(p)["open_tails"] == 1  # c1 is still the open tail of its chain
+        joined = _relay(p)["joined"]
+        second = c2.fetch_at.remote([ref], time.time(), "get", 30.0)
+        assert wait_for(lambda: _relay(p)["joined"] > joined, timeout=30, interval=0.01)  # behind c1
+        os.kill(pid, signal.SIGCONT)
+        want = digests(relay_state(BIG * 2, 11))
+        for r in ray.get([first, second], timeout=60):
+            assert r[0] == "ok" and r[1] == want, r[:3]
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+        for g in (a, b):
+            rdt.destroy_collective_group(g)
+        for n in actors:
+            ray.kill(n)
