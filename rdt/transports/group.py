@@ -14,6 +14,7 @@ dies or stalls asks the producer directly for the chunks it misses.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import struct
 import threading
@@ -496,7 +497,7 @@ class _Phase:
                     self._cond.notify_all()
         except Exception as e:  # noqa: BLE001 - the fetch reads it (or, parked, on_parked_end)
             with self._cond:
-                self.error = e
+                self.error = _without_frames(e)
         finally:
             with self._cond:
                 self.done = True
@@ -513,6 +514,29 @@ class _Phase:
                 return False
             self.parked = True
             return True
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` (and its causes) without tracebacks: a stored error's frames would keep this fetch, its object's
+    metadata and so the object itself alive until a GC pass (a reference cycle through the waiting frame)."""
+    seen: Optional[BaseException] = e
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
+def _parked_end(table: _relay.RelayTable, group: Any, obj_hex: str, past_s: float, phase: _Phase) -> None:
+    """(waiter thread) Parked receives ended: their memory goes back to the pool. A Gloo timeout (the relay
+    stalled ``past_s`` past the fetch's deadline) closed this rank's connections: the group is broken here, say
+    so. Holds nothing of the fetch but these (not its metadata: the object is freed when its refs die)."""
+    table.add("parked", -1)
+    if isinstance(phase.error, CollectiveTimeoutError):
+        group._mark_errored(CommunicationError(
+            f"relay rank {phase.source} stalled for over {past_s:.0f}s past the deadline of object "
+            f"{obj_hex[:16]}: receives this rank had posted to it timed out, which closed this rank's connections",
+            group=group.name, rank=group.rank, peer=phase.source, op="object relay", object_id=obj_hex,
+            hint="a member is stuck; destroy the group on every member and create it again"))
 
 
 class _RelayReceive:
@@ -570,7 +594,8 @@ class _RelayReceive:
                  for k in range(first, len(self.parts))]
         until = self.deadline if source == self.ref.rank else self.park_until
         phase = _Phase(source, first, works, self.landing.keep(), until, self.cond)
-        self.table.waiters().submit(phase.wait, self._parked_end)
+        self.table.waiters().submit(phase.wait, functools.partial(
+            _parked_end, self.table, self.group, self.meta.id_hex, self.park_until - self.deadline))
         return phase
 
     def _receive(self, phase: _Phase, position: int) -> None:
@@ -625,18 +650,6 @@ class _RelayReceive:
                        "receives stay posted until it sends, dies or the group goes", self.group.name,
                        self.group.rank, phase.source, k, len(self.parts), self.meta.id_hex, why,
                        len(self.parts) - k)
-
-    def _parked_end(self, phase: _Phase) -> None:
-        """(waiter thread) Parked receives ended: their memory goes back to the pool. A Gloo timeout (the relay
-        stalled past ``park_until``) closed this rank's connections: the group is broken here, say so."""
-        self.table.add("parked", -1)
-        if isinstance(phase.error, CollectiveTimeoutError):
-            self.group._mark_errored(CommunicationError(
-                f"relay rank {phase.source} stalled for over {self.park_until - self.deadline:.0f}s past the "
-                f"deadline of object {self.meta.id_hex[:16]}: receives this rank had posted to it timed out, "
-                f"which closed this rank's connections", group=self.group.name, rank=self.group.rank,
-                peer=phase.source, op="object relay", object_id=self.meta.id_hex,
-                hint="a member is stuck; destroy the group on every member and create it again"))
 
     def _resume(self, relay: int, k: int, cause: str, broken: bool) -> _Phase:
         """Our source ``relay`` failed or stalled at chunk ``k``: ask the producer for chunks k.. directly, landing
