@@ -297,8 +297,6 @@ def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluste
             ray.kill(a)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: relay polls are not bound to their chain's group and object "
-                   "(fixed in the next commit)")
 def test_a_member_of_another_group_cannot_poll_or_close_a_chain(ray_cluster):
     """The producer is in group A (with c1, c2) and group B (with x). While c1 receives (stopped mid-chain), x
     polls c1's chain in A and asks to close it, signing with B's secret and naming the chain's id and c1's rank

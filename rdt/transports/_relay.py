@@ -13,7 +13,7 @@ and receives (it imports this module, never the other way round).
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +31,10 @@ MODE_RELAY = 1
 REPLY = "!BIIQ"  # mode, source rank, position in the chain (0: fed by the producer), chain id
 NEXT_REQUEST = "!IQIB"  # (after obj_id and group uid) rank, chain id, wait_ms, final
 NEXT_REPLY = "!iI"  # follower rank (-1: none, the member is the tail and closed), follower's tag base
+
+
+class UnknownChain(LookupError):
+    """A poll names no chain of that object in that group (never told apart from a chain of another group)."""
 
 
 def chunks(message_sizes: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -77,7 +81,6 @@ class RelayTable:
         self._cond = threading.Condition()
         self._chains: Dict[int, _Chain] = {}
         self._open: Dict[Tuple[bytes, str], int] = {}
-        self._ids = itertools.count(1)
         self.served_bytes = 0  # bytes this process sent as producer to group consumers
         self.relayed_bytes = 0  # bytes this process forwarded to the next consumer of a chain
         self.joined = 0  # consumers appended behind another one (producer side)
@@ -123,18 +126,31 @@ class RelayTable:
                 self.joined += 1
                 self._cond.notify_all()
                 return self._open[key], tail.rank, len(chain.members) - 1
-            cid = next(self._ids)
+            cid = self._new_id()
             member = _Member(rank, tag_base, deadline)
             self._chains[cid] = _Chain(key, {rank: member}, member)
             self._open[key] = cid
             return cid, None, 0
 
-    def next_of(self, cid: int, rank: int, final: bool, wait: float) -> Optional[Tuple[int, int]]:
-        """Whom member ``rank`` forwards to: wait up to ``wait`` seconds for a follower (``final``: none, it is done
-        receiving: close the tail now). None means never anyone: the member is closed."""
+    def _new_id(self) -> int:
+        """An unguessable chain id (64 random bits, never 0 nor one in use): a chain's members learn it from the
+        producer's replies, nobody else can name it."""
+        while True:
+            cid = secrets.randbits(64)
+            if cid and cid not in self._chains:
+                return cid
+
+    def next_of(self, obj_id: bytes, uid: str, cid: int, rank: int, final: bool,
+                wait: float) -> Optional[Tuple[int, int]]:
+        """Whom member ``rank`` of chain ``cid`` (object ``obj_id`` in group ``uid``: the group whose secret signed
+        the request) forwards to: wait up to ``wait`` seconds for a follower (``final``: none, it is done
+        receiving: close the tail now). None means never anyone: the member is closed (or not a member).
+        UnknownChain when that object has no chain ``cid`` in that group."""
         with self._cond:
             chain = self._chains.get(cid)
-            member = chain.members.get(rank) if chain is not None else None
+            if chain is None or chain.key != (obj_id, uid):
+                raise UnknownChain(f"no chain {cid} of object {obj_id.hex()} in group uid {uid}")
+            member = chain.members.get(rank)
             if member is None:
                 return None
             if not final:
