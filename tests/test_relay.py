@@ -287,7 +287,7 @@ def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluste
             assert r[0] == "ok", r
             assert r[1] == digests(relay_state(1 << 20, 100 + 2 * (i % 8) + i // 8)), i
         slowest, stats_wait = max(r[2] for r in results), max(waits)
-        assert slowest < 10 and stats_wait < 5, \
+        assert slowest < 15 and stats_wait < 10, \
             f"a fetch took {slowest:.1f}s (timeout 20 s), a stats request {stats_wait:.1f}s: the producer's control " \
             "server was held"
         assert _relay(p)["served_bytes"] > 0 and wait_for(lambda: _relay(p)["chains"] == 0, timeout=30)
