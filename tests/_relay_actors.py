@@ -13,6 +13,8 @@ import torch
 
 import rdt
 
+SENTINEL = 0x5A  # what a consumer writes over what it received (or its targets after an error), then re-checks
+
 
 def relay_state(big: int, seed: int) -> Dict[str, torch.Tensor]:
     """A state dict of three large float32 tensors (``big`` elements each, several chunks) and 40 small ones of
@@ -79,6 +81,47 @@ class RelayNode:
             return ("err", type(e).__name__, str(e), time.monotonic() - t0)
         return ("ok", digests(value), time.monotonic() - t0)
 
+    def fetch_concurrently(self, refs: List[Any], start: float, timeout: float) -> List[Any]:
+        """At wall-clock ``start``, fetch every ref of ``refs`` at once, one thread each; per ref what
+        :meth:`fetch_at` returns."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(refs)) as pool:
+            return list(pool.map(lambda r: self.fetch_at([r], start, "get", timeout), refs))
+
+    def fetch_and_hold(self, refs: List[Any], start: float, mode: str, timeout: float) -> Any:
+        """Like :meth:`fetch_at`, then overwrite every tensor the fetch returned, or its ``into`` targets after an
+        error, with :data:`SENTINEL` bytes and keep them: :meth:`held_intact` shows whether anything wrote into
+        them after the fetch returned or raised."""
+        time.sleep(max(0.0, start - time.time()))
+        t0 = time.monotonic()
+        like: Dict[str, torch.Tensor] = {}
+        try:
+            if mode == "into":
+                like = {k: torch.empty(s, dtype=getattr(torch, d.split(".")[-1]))
+                        for k, (d, s, _) in self._shapes.items()}
+                value = rdt.get(refs[0], into=like, timeout=timeout)
+            else:
+                value = rdt.get(refs[0], timeout=timeout)
+            result: Any = ("ok", digests(value), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - the test inspects the error
+            value = like
+            result = ("err", type(e).__name__, str(e), time.monotonic() - t0)
+        for t in value.values():
+            t.view(-1).view(torch.uint8).fill_(SENTINEL)
+        self._held = list(value.values())
+        return result
+
+    def held_intact(self) -> bool:
+        """Whether every tensor :meth:`fetch_and_hold` kept still holds only sentinel bytes."""
+        return all(bool(t.view(-1).view(torch.uint8).eq(SENTINEL).all()) for t in self._held)
+
+    def group_states(self) -> List[str]:
+        """The state of every collective group this actor is in."""
+        from rdt_transports._context import get_context
+
+        return [g.state.value for g in get_context().groups() if g is not None]
+
     def expect(self, shapes: Dict[str, Any]) -> None:
         """The dtypes and shapes ``fetch_at(mode="into")`` allocates targets for."""
         self._shapes = shapes
@@ -93,14 +136,53 @@ def hold_first_relay_post(marker: str) -> None:
     from rdt.transports.group import transport as group_transport
 
     cls = group_transport._RelayReceive
-    original = cls._post
+    original = cls._phase
 
     def held(self: Any, source: int, tag_base: int, first: int) -> Any:
         if source != self.ref.rank:
-            cls._post = original
+            cls._phase = original
             end = time.monotonic() + 30.0
             while not os.path.exists(marker) and time.monotonic() < end:
                 time.sleep(0.01)
         return original(self, source, tag_base, first)
 
-    cls._post = held
+    cls._phase = held
+
+
+def relay_chains() -> List[Tuple[int, str, str, List[int]]]:
+    """(in a producer) Its relay chains: (chain id, object id hex, group uid, member ranks)."""
+    from rdt._process.context import get_context
+    from rdt.transports.group import relay as _relay
+
+    table = _relay.table(get_context())
+    with table._cond:
+        return [(cid, c.key[0].hex(), c.key[1], list(c.members)) for cid, c in table._chains.items()]
+
+
+def control_address() -> str:
+    """(in a producer) Its control server's address."""
+    from rdt._process.context import get_context
+
+    return get_context().producer_info().control_address
+
+
+def poll_relay_chain(address: str, obj_hex: str, group_uid: str, rank: int, cid: int, final: int) -> Tuple[Any, ...]:
+    """(in a member of the group ``group_uid``) Ask the producer at ``address`` whom ``rank`` of chain ``cid``
+    forwards ``obj_hex`` to, as a chained consumer does, signed with that group's secret (``final``: and close
+    it); ("ok", follower rank) or ("err", error code, text)."""
+    import struct
+
+    from rdt._control import wire as _control
+    from rdt._process.context import get_context
+    from rdt.transports.group import relay as _relay
+    from rdt.transports.group.protocol import REQ_RELAY_NEXT
+    from rdt_transports._context import get_context as transport_context
+
+    group = next(g for g in transport_context().groups() if g is not None and g.uid == group_uid)
+    payload = bytes.fromhex(obj_hex) + bytes.fromhex(group_uid) + struct.pack(_relay.NEXT_REQUEST, rank, cid, 200,
+                                                                              final)
+    resp_type, resp = get_context().client.request(address, REQ_RELAY_NEXT, _control.KEY_GROUP,
+                                                   group.backend.config.secret, payload, 10.0)
+    if resp_type == _control.RESP_OK:
+        return ("ok", struct.unpack(_relay.NEXT_REPLY, resp)[0])
+    return ("err", struct.unpack_from("!H", resp)[0], resp[2:].decode(errors="replace"))

@@ -594,13 +594,14 @@ def test_group_secrets_distinct_and_not_in_metadata(pair) -> None:
         resp_type, resp = _valid_ping(address, s1, _control.KEY_GROUP, payload, REQ_FETCH_GROUP)
         assert resp_type == _control.RESP_ERR and struct.unpack("!H", resp[:2])[0] == _control.ERR_NOT_FOUND
         # whom a chained consumer forwards to: asked with the group's secret only, answered from the producer's
-        # own chain table only (an unknown chain: nobody)
+        # own chain table only (a chain that object has not in that group: refused, never told apart from
+        # another group's chain)
         nxt = b"\0" * 16 + bytes.fromhex(u1) + struct.pack("!IQIB", 1, 12345, 10, 0)  # rank, chain, ms, final
         assert send_raw(address, frame(REQ_RELAY_NEXT, _control.KEY_GROUP, s2, nxt)) == b""
         assert wait_for(lambda: ray.get(a.__ray_call__.remote(_actor_control), timeout=30)[2] == rejected0 + 2,
                         timeout=20)
-        assert _valid_ping(address, s1, _control.KEY_GROUP, nxt, REQ_RELAY_NEXT) == \
-            (_control.RESP_OK, struct.pack("!iI", -1, 0))
+        resp_type, resp = _valid_ping(address, s1, _control.KEY_GROUP, nxt, REQ_RELAY_NEXT)
+        assert resp_type == _control.RESP_ERR and struct.unpack("!H", resp[:2])[0] == _control.ERR_BAD_REQUEST
     finally:
         h1.destroy(timeout=30)
         h2.destroy(timeout=30)

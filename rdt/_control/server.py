@@ -17,11 +17,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from rdt_transports import _lifecycle
 
-from .wire import ERR_INTERNAL, MAX_FRAME, RESP_ERR, Handler, ProtocolError, Stream, decode, encode, send_stream
+from .wire import (ERR_INTERNAL, MAX_FRAME, RESP_ERR, Handler, Held, ProtocolError, Stream, decode, encode,
+                   send_stream)
 
 logger = logging.getLogger("rdt")
 
@@ -74,12 +75,14 @@ class ControlServer:
     beyond that evicts the longest-idle connection not being answered (or is itself closed), counted in
     ``rejected``. A started frame must arrive whole within ``frame_timeout`` (slow peers are dropped and counted);
     connections idle for ``idle_timeout`` are closed. Threads: the selector thread, at most ``workers`` answering
-    requests and at most ``streams`` sending objects' bytes (each until the consumer's own deadline).
+    requests, at most ``streams`` sending objects' bytes (each until the consumer's own deadline) and at most
+    ``holds`` computing held answers (:class:`Held`; more wait for one of them, never for a request worker).
     """
 
     def __init__(self, host: str, key_for: Callable[[int, bytes], Optional[bytes]],
                  handlers: Dict[int, Handler], *, max_conns: int = 256, idle_timeout: float = 60.0,
-                 frame_timeout: float = 5.0, workers: int = 8, streams: int = 4, send_timeout: float = 30.0) -> None:
+                 frame_timeout: float = 5.0, workers: int = 8, streams: int = 4, holds: int = 32,
+                 send_timeout: float = 30.0) -> None:
         self._key_for = key_for
         self._handlers = handlers
         self._replay = _ReplayGuard()
@@ -104,6 +107,7 @@ class ControlServer:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdt-control-worker")
         self._streams = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="rdt-control-stream")
+        self._holds = ThreadPoolExecutor(max_workers=holds, thread_name_prefix="rdt-control-hold")
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -247,7 +251,8 @@ class ControlServer:
     # ---------------------------------------------------------------- worker threads
     def _answer(self, conn: _Conn, body: bytes) -> None:
         """Verify, run the handler, send the answer; a bad frame closes the connection (counted). Raw bytes that
-        follow the answer are sent from the stream pool, so slow readers never hold the request workers."""
+        follow the answer are sent from the stream pool, and held answers are computed and sent from the hold
+        pool, so neither slow readers nor long polls ever hold the request workers."""
         try:
             follow = self._answer_frame(conn.sock, body)
         except ProtocolError as e:
@@ -264,8 +269,10 @@ class ControlServer:
             return
         if follow is None:
             self._hand_back(conn, True)
+        elif isinstance(follow[3], Held):
+            self._holds.submit(self._send_held, conn, *follow)
         else:
-            self._streams.submit(self._send_follow, conn, *follow)
+            self._streams.submit(self._send_follow, conn, *follow[1:])
 
     def _send_follow(self, conn: _Conn, key: bytes, nonce: bytes, stream: "Stream") -> None:
         keep = False
@@ -279,6 +286,23 @@ class ControlServer:
             logger.exception("rdt control: streaming an object's bytes failed")
         self._hand_back(conn, keep)
 
+    def _send_held(self, conn: _Conn, key_id: int, key: bytes, nonce: bytes, held: Held) -> None:
+        """(hold pool) Compute a held answer and send it."""
+        try:
+            resp_type, resp = held.answer()
+        except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
+            logger.exception("rdt control: a held answer failed")
+            resp_type, resp = RESP_ERR, struct.pack("!H", ERR_INTERNAL) + str(e).encode()[:4000]
+        keep = False
+        try:
+            conn.sock.settimeout(self.send_timeout)
+            conn.sock.sendall(encode(resp_type, key_id, key, resp, nonce))
+            conn.sock.setblocking(False)
+            keep = True
+        except OSError as e:  # the requester gave up or died
+            logger.debug("rdt control: sending a held answer failed: %s", e)
+        self._hand_back(conn, keep)
+
     def _hand_back(self, conn: _Conn, keep: bool) -> None:
         """Return a connection to the selector thread (closed unless ``keep``)."""
         if not keep:
@@ -289,8 +313,9 @@ class ControlServer:
         except OSError:
             pass
 
-    def _answer_frame(self, sock: socket.socket, body: bytes) -> Optional[Tuple[bytes, bytes, "Stream"]]:
-        """Answer one frame; (key, nonce, stream) when raw bytes must follow the answer."""
+    def _answer_frame(self, sock: socket.socket, body: bytes) -> Optional[Tuple[int, bytes, bytes, Any]]:
+        """Answer one frame; (key id, key, nonce, stream) when raw bytes must follow the answer, (key id, key,
+        nonce, held) when the handler's answer is :class:`Held` (nothing sent yet)."""
         msg_type, key_id, nonce, payload = decode(body, self._key_for)
         self._replay.check(nonce)
         handler = self._handlers.get(msg_type)
@@ -301,15 +326,17 @@ class ControlServer:
         except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
             logger.exception("rdt control handler failed")
             result = (RESP_ERR, struct.pack("!H", ERR_INTERNAL) + str(e).encode()[:4000])
-        resp_type, resp = result[0], result[1]
-        stream = result[2] if len(result) > 2 else None
         key = self._key_for(key_id, payload)
         if key is None:
             raise ProtocolError("the request's key went away")
+        if isinstance(result, Held):
+            return key_id, key, nonce, result
+        resp_type, resp = result[0], result[1]
+        stream = result[2] if len(result) > 2 else None
         sock.settimeout(self.send_timeout)
         sock.sendall(encode(resp_type, key_id, key, resp, nonce))
         if stream is not None:
-            return key, nonce, stream
+            return key_id, key, nonce, stream
         sock.setblocking(False)
         return None
 
@@ -336,8 +363,8 @@ class ControlServer:
             self._sock.close()
         except OSError:
             pass
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._streams.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._streams, self._holds):
+            pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self._sel.close()
             for s in (self._wake_r, self._wake_w):

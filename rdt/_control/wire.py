@@ -15,7 +15,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 MAGIC = b"RDT1"
 VERSION = 1
@@ -107,7 +107,15 @@ def read_frame(sock: socket.socket) -> bytes:
         raise ProtocolError(f"truncated frame: {e}") from e
 
 
-Handler = Callable[[int, bytes], Tuple]  # (key_id, payload) -> (resp type, resp payload[, raw buffers to stream])
+Handler = Callable[[int, bytes], Any]  # (key_id, payload) -> (resp type, resp payload[, Stream]) or Held
+
+
+@dataclass
+class Held:
+    """A handler's answer that may wait long (a long poll): ``answer()`` runs on the server's hold pool, never on
+    a request worker, so held requests cannot queue other requests, the ones that end them included."""
+
+    answer: Callable[[], Tuple[int, bytes]]
 
 
 @dataclass

@@ -13,7 +13,7 @@ the sends and receives (they import this module, never the other way round).
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,12 +26,17 @@ from ..base import TransportState
 
 CHUNK = 4 << 20  # bytes per relayed message at most: a 4-worker sync of 988 MB takes ~790 ms, ~850 with 1 MiB
 # chunks (four times the Gloo operations), and no less with 16 MiB ones (a longer pipeline fill)
-LOOKAHEAD = 8  # chunks a member waits for at once while nobody follows it (fewer wake-ups for a lone consumer)
+PARK_MAX = 4  # fetches whose receives from a stalled relay are parked, per process, beyond which none is chained
+PARK_MIN_S = 60.0  # a parked receive waits at least this long past its fetch's deadline for the relay to send
 
 MODE_RELAY = 1
 REPLY = "!BIIQ"  # mode, source rank, position in the chain (0: fed by the producer), chain id
 NEXT_REQUEST = "!IQIB"  # (after obj_id and group uid) rank, chain id, wait_ms, final
 NEXT_REPLY = "!iI"  # follower rank (-1: none, the member is the tail and closed), follower's tag base
+
+
+class UnknownChain(LookupError):
+    """A poll names no chain of that object in that group (never told apart from a chain of another group)."""
 
 
 def chunks(message_sizes: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -78,13 +83,14 @@ class RelayTable(TransportState):
         self._cond = threading.Condition()
         self._chains: Dict[int, _Chain] = {}
         self._open: Dict[Tuple[bytes, str], int] = {}
-        self._ids = itertools.count(1)
         self.served_bytes = 0  # bytes this process sent as producer to group consumers
         self.relayed_bytes = 0  # bytes this process forwarded to the next consumer of a chain
         self.joined = 0  # consumers appended behind another one (producer side)
         self.fallbacks = 0  # times this consumer asked the producer for what a dead or stalled relay did not send
         self.forward_failures = 0  # forwards to a follower that failed (the follower falls back on its own)
+        self.parked = 0  # fetches of this consumer whose receives from a stalled relay may still land (live)
         self._pollers: Optional[ThreadPoolExecutor] = None
+        self._waiters: Optional[ThreadPoolExecutor] = None
 
     def pollers(self) -> ThreadPoolExecutor:
         """Threads that wait, for this process's chained fetches, for the producer to name their followers (each
@@ -93,6 +99,15 @@ class RelayTable(TransportState):
             if self._pollers is None:
                 self._pollers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rdt-relay-poll")
             return self._pollers
+
+    def waiters(self) -> ThreadPoolExecutor:
+        """Threads that wait, for this process's chained fetches, for their chunks to land, one source's chunks
+        in order (a parked one until the stalled relay sends, dies or the group goes; see ``transport._Phase``).
+        Bounded: at most two per fetch (``rdt-fetch-wait`` runs at most 8) and :data:`PARK_MAX` parked ones."""
+        with self._cond:
+            if self._waiters is None:
+                self._waiters = ThreadPoolExecutor(max_workers=32, thread_name_prefix="rdt-relay-wait")
+            return self._waiters
 
     # ---------------------------------------------------------------- producer
     def join(self, obj_id: bytes, uid: str, rank: int, tag_base: int,
@@ -113,18 +128,31 @@ class RelayTable(TransportState):
                 self.joined += 1
                 self._cond.notify_all()
                 return self._open[key], tail.rank, len(chain.members) - 1
-            cid = next(self._ids)
+            cid = self._new_id()
             member = _Member(rank, tag_base, deadline)
             self._chains[cid] = _Chain(key, {rank: member}, member)
             self._open[key] = cid
             return cid, None, 0
 
-    def next_of(self, cid: int, rank: int, final: bool, wait: float) -> Optional[Tuple[int, int]]:
-        """Whom member ``rank`` forwards to: wait up to ``wait`` seconds for a follower (``final``: none, it is done
-        receiving: close the tail now). None means never anyone: the member is closed."""
+    def _new_id(self) -> int:
+        """An unguessable chain id (64 random bits, never 0 nor one in use): a chain's members learn it from the
+        producer's replies, nobody else can name it."""
+        while True:
+            cid = secrets.randbits(64)
+            if cid and cid not in self._chains:
+                return cid
+
+    def next_of(self, obj_id: bytes, uid: str, cid: int, rank: int, final: bool,
+                wait: float) -> Optional[Tuple[int, int]]:
+        """Whom member ``rank`` of chain ``cid`` (object ``obj_id`` in group ``uid``: the group whose secret signed
+        the request) forwards to: wait up to ``wait`` seconds for a follower (``final``: none, it is done
+        receiving: close the tail now). None means never anyone: the member is closed (or not a member).
+        UnknownChain when that object has no chain ``cid`` in that group."""
         with self._cond:
             chain = self._chains.get(cid)
-            member = chain.members.get(rank) if chain is not None else None
+            if chain is None or chain.key != (obj_id, uid):
+                raise UnknownChain(f"no chain {cid} of object {obj_id.hex()} in group uid {uid}")
+            member = chain.members.get(rank)
             if member is None:
                 return None
             if not final:
@@ -179,14 +207,17 @@ class RelayTable(TransportState):
                 self._close(chain, tail)
 
     def stop(self) -> None:
-        """At shutdown: close every tail (held polls are answered) and stop the poller threads (not waiting)."""
+        """At shutdown: close every tail (held polls are answered) and stop the poller and waiter threads (not
+        waiting: a waiter blocked in Gloo ends when its group is aborted at exit)."""
         with self._cond:
             for chain in list(self._chains.values()):
                 if chain.tail is not None and not chain.tail.closed:
                     self._close(chain, chain.tail)
-            pollers, self._pollers = self._pollers, None
-        if pollers is not None:
-            pollers.shutdown(wait=False, cancel_futures=True)
+            pools = [self._pollers, self._waiters]
+            self._pollers = self._waiters = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- both
     def add(self, counter: str, n: int = 1) -> None:
@@ -199,7 +230,7 @@ class RelayTable(TransportState):
             self._sweep(time.monotonic())
             return {"chains": len(self._chains), "open_tails": len(self._open), "joined": self.joined,
                     "served_bytes": self.served_bytes, "relayed_bytes": self.relayed_bytes,
-                    "fallbacks": self.fallbacks, "forward_failures": self.forward_failures}
+                    "fallbacks": self.fallbacks, "forward_failures": self.forward_failures, "parked": self.parked}
 
 
 EMPTY_STATS: Dict[str, int] = RelayTable().snapshot()

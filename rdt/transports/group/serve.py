@@ -144,13 +144,25 @@ def _serve_chunks(ctx: Any, entry: Any, group: Any, rank: int, tag_base: int, de
 
 def serve_relay_next(ctx: Any, _key_id: int, payload: bytes) -> Any:
     """A chained consumer asks whom it forwards to: held until a follower joins, it says it is done (``final``),
-    or its time runs out. Answered only from the producer's own table."""
+    or its time runs out. Answered only from the producer's own table, and only for a chain of the request's
+    object in the group whose secret signed it (``RelayTable.next_of``); a poll that may wait is answered from the
+    control server's hold pool, so polls never take the workers that answer everything else (the ``final``
+    requests that end them included)."""
     if len(payload) != 32 + struct.calcsize(_relay.NEXT_REQUEST):
         return err(_control.ERR_BAD_REQUEST, "malformed relay request")
     rank, cid, wait_ms, final = struct.unpack(_relay.NEXT_REQUEST, payload[32:])
-    follower = _relay.table(ctx).next_of(cid, rank, bool(final), wait_ms / 1000.0)
-    rank_, tags = follower if follower is not None else (-1, 0)
-    return _control.RESP_OK, struct.pack(_relay.NEXT_REPLY, rank_, tags)
+    table = _relay.table(ctx)
+    obj_id, uid = payload[:16], payload[16:32].hex()  # the request's MAC was checked with this group's secret
+
+    def answer() -> Any:
+        try:
+            follower = table.next_of(obj_id, uid, cid, rank, bool(final), wait_ms / 1000.0)
+        except _relay.UnknownChain as e:  # another group's chain, another object's, or one already gone
+            return err(_control.ERR_BAD_REQUEST, str(e))
+        rank_, tags = follower if follower is not None else (-1, 0)
+        return _control.RESP_OK, struct.pack(_relay.NEXT_REPLY, rank_, tags)
+
+    return answer() if final else _control.Held(answer)
 
 
 def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, tag_base: int, deadline: float,

@@ -14,6 +14,7 @@ dies or stalls asks the producer directly for the chunks it misses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import threading
@@ -23,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rdt_transports._memcopy import copy_parts
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
 from rdt_transports.group import TAG_OBJECT, make_tag
 
@@ -146,97 +148,218 @@ def _wait_ms(deadline: float) -> int:
 
 
 def _relay_wanted(ctx: Any, meta: ObjectMeta, group: Any) -> bool:
-    """Whether to offer the producer to chain this fetch (gloo, CPU, large enough, relaying not switched off)."""
+    """Whether to offer the producer to chain this fetch (gloo, CPU, large enough, relaying not switched off, and
+    not too many receives from stalled relays parked here already)."""
     return (ctx.config.relay and group.backend_name == "gloo" and meta.buffers.device_types == {"cpu"}
-            and meta.nbytes >= max(ctx.config.relay_min_bytes, 1))
-
+            and meta.nbytes >= max(ctx.config.relay_min_bytes, 1) and _relay.table(ctx).parked < _relay.PARK_MAX)
 
 
 def _fetch_chained(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Site, deadline: float,
                    reply: bytes, tag_base: int) -> Sequence[torch.Tensor]:
     """Receive the object's chunks from the source the producer named, forwarding each to our follower as soon as
-    it arrived; with targets, packed runs land in staging and are copied into them at the end."""
+    it arrived (see :class:`_ChainLanding` for where they land)."""
     mode, source, position, cid = struct.unpack(_relay.REPLY, reply)
     if mode != _relay.MODE_RELAY:
         raise ObjectFetchError(f"the producer of {meta.describe()} answered with an unknown relay mode {mode}",
                                object_id=meta.id_hex)
-    sizes = meta.buffers.sizes
-    msgs = messages(sizes)
-    bufs: Any
-    scatter: List[Tuple[torch.Tensor, int, int]] = []
-    if site.into:
-        bufs = [landing(ctx, site, i, nb) for i, nb in enumerate(sizes)]
-        offsets, _ = padded_offsets(sizes)
-        views = []
-        for first, last in msgs:
-            if first == last:
-                views.append(bufs[first])
-            else:
-                staging = ctx.buffers.empty(offsets[last] + sizes[last] - offsets[first])
-                views.append(staging)
-                scatter.append((staging, first, last))
-    else:
-        bufs = block_views(ctx, sizes)
-        views = [bufs.span(a, b) for a, b in msgs]
-    receive = _RelayReceive(ctx, meta, group, ref, _relay.split(views), cid, deadline)
+    landing_ = _ChainLanding(ctx, site, meta.buffers.sizes, direct=source == ref.rank)
+    receive = _RelayReceive(ctx, meta, group, ref, landing_, cid, deadline)
     _watching_producer(ctx, meta, lambda: receive.run(source, position, tag_base))
-    if scatter:
-        offsets, _ = padded_offsets(sizes)
-        for staging, first, last in scatter:
-            for k in range(first, last + 1):
-                at = offsets[k] - offsets[first]
-                bufs[k].copy_(staging[at:at + sizes[k]])
-    return bufs
+    return landing_.result()
+
+
+def _target(site: Site, i: int, nbytes: int) -> Optional[torch.Tensor]:
+    """The caller's CPU target for buffer ``i`` (``rdt.get(into=...)``), if it has one of the right size."""
+    t = site.into[i] if i < len(site.into) else None
+    return t if t is not None and t.numel() == nbytes and t.device.type == "cpu" else None
+
+
+class _ChainLanding:
+    """Where a chained fetch's chunks land.
+
+    A chain's head is fed by the producer alone and lands like a plain fetch (in the caller's targets; packed runs
+    in staging, copied at the end). A member fed by another consumer lands in a pooled block that the caller gets
+    (or that is copied into its targets) only once every chunk is in: a receive posted to a relay that stalls
+    cannot be cancelled and may land whenever that relay goes on, so the member leaves such receives parked
+    with the block they land in and moves on to a fresh block (:meth:`move`).
+    """
+
+    def __init__(self, ctx: Any, site: Site, sizes: List[int], direct: bool) -> None:
+        self.ctx, self.site, self.sizes = ctx, site, sizes
+        self.msgs = messages(sizes)
+        self.block: Optional[Any] = None  # BlockViews, unless the head lands in the caller's targets
+        self.bufs: List[torch.Tensor] = []
+        self.scatter: List[Tuple[torch.Tensor, int, int]] = []  # (staging, first, last buffer) of packed runs
+        if direct and site.into:
+            offsets, _ = padded_offsets(sizes)
+            self.bufs = [landing(ctx, site, i, nb) for i, nb in enumerate(sizes)]
+            views = []
+            for first, last in self.msgs:
+                if first == last:
+                    views.append(self.bufs[first])
+                else:
+                    staging = ctx.buffers.empty(offsets[last] + sizes[last] - offsets[first])
+                    views.append(staging)
+                    self.scatter.append((staging, first, last))
+            self.parts = _relay.split(views)
+        else:
+            self.parts = self._fresh()
+
+    def _fresh(self) -> List[torch.Tensor]:
+        self.block = block_views(self.ctx, self.sizes)
+        return _relay.split([self.block.span(a, b) for a, b in self.msgs])
+
+    def keep(self) -> Any:
+        """What the receives posted now land in (held while they may still land)."""
+        return self.block if self.block is not None else (self.bufs, self.scatter)
+
+    def move(self, upto: int) -> None:
+        """Land chunks ``upto``.. in a fresh block (the current one stays with receives that may still land
+        there); chunks before ``upto`` are copied over."""
+        old = self.parts
+        self.parts = self._fresh()
+        copy_parts([(new.data_ptr(), was.data_ptr(), was.numel()) for new, was in zip(self.parts[:upto], old)])
+
+    def result(self) -> Sequence[torch.Tensor]:
+        """The fetched buffers, once every chunk is in: the caller's targets where it gave them."""
+        sizes, offsets = self.sizes, padded_offsets(self.sizes)[0]
+        if self.block is None:
+            for staging, first, last in self.scatter:
+                base = staging.data_ptr() - offsets[first]
+                copy_parts([(self.bufs[k].data_ptr(), base + offsets[k], sizes[k]) for k in range(first, last + 1)
+                            if sizes[k]])
+            return self.bufs
+        if not self.site.into:
+            return self.block
+        out: List[torch.Tensor] = []
+        copies: List[Tuple[int, int, int]] = []
+        base = self.block.block.data_ptr()
+        for i, nb in enumerate(sizes):
+            t = _target(self.site, i, nb)
+            if t is None or not nb:
+                out.append(self.block[i])
+            else:
+                copies.append((t.data_ptr(), base + offsets[i], nb))
+                out.append(t)
+        copy_parts(copies)
+        return out
+
+
+class _Phase:
+    """The posted receives of chunks ``first``.. from one source, waited on in order on a relay waiter thread
+    (chunks from one peer land in order). The fetch only watches :attr:`landed`: it never gives Gloo a timeout
+    of its own, since a Gloo receive that times out closes every connection of this rank (Gloo cannot cancel it).
+
+    Receives from the producer wait until the fetch's deadline (a timeout then errors the group, as for a plain
+    fetch). Receives from a relay wait until ``until``, well past it: when the relay stalls the fetch moves on
+    and leaves them *parked* here, with the memory they land in, until the relay sends (it forwards what it owes
+    once it goes on), dies or the group is aborted; only a relay stalled past ``until`` breaks the group.
+    """
+
+    def __init__(self, source: int, first: int, works: List[Any], keep: Any, until: float,
+                 cond: threading.Condition) -> None:
+        self.source = source
+        self.landed = first  # every chunk before this one is in
+        self.error: Optional[BaseException] = None
+        self.done = False  # the waiter ended: nothing more will land
+        self.parked = False  # the fetch moved on while receives were still posted
+        self._works: Optional[List[Any]] = works
+        self._keep = keep
+        self._until = until
+        self._cond = cond
+
+    def wait(self, on_parked_end: Callable[["_Phase"], None]) -> None:
+        """(waiter thread) Wait for each receive in turn; then drop the receives and their memory."""
+        try:
+            for w in self._works or ():
+                w.wait(max(self._until - time.monotonic(), 1e-3))
+                with self._cond:
+                    self.landed += 1
+                    self._cond.notify_all()
+        except Exception as e:  # noqa: BLE001 - the fetch reads it (or, parked, on_parked_end)
+            with self._cond:
+                self.error = _without_frames(e)
+        finally:
+            with self._cond:
+                self.done = True
+                parked = self.parked
+                self._works = self._keep = None
+                self._cond.notify_all()
+            if parked:
+                on_parked_end(self)
+
+    def park(self) -> bool:
+        """Leave the receives still posted to the waiter (False: none is, nothing to park)."""
+        with self._cond:
+            if self.done:
+                return False
+            self.parked = True
+            return True
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` (and its causes) without tracebacks: a stored error's frames would keep this fetch, its object's
+    metadata and so the object itself alive until a GC pass (a reference cycle through the waiting frame)."""
+    seen: Optional[BaseException] = e
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
+def _parked_end(table: _relay.RelayTable, group: Any, obj_hex: str, past_s: float, phase: _Phase) -> None:
+    """(waiter thread) Parked receives ended: their memory goes back to the pool. A Gloo timeout (the relay
+    stalled ``past_s`` past the fetch's deadline) closed this rank's connections: the group is broken here, say
+    so. Holds nothing of the fetch but these (not its metadata: the object is freed when its refs die)."""
+    table.add("parked", -1)
+    if isinstance(phase.error, CollectiveTimeoutError):
+        group._mark_errored(CommunicationError(
+            f"relay rank {phase.source} stalled for over {past_s:.0f}s past the deadline of object "
+            f"{obj_hex[:16]}: receives this rank had posted to it timed out, which closed this rank's connections",
+            group=group.name, rank=group.rank, peer=phase.source, op="object relay", object_id=obj_hex,
+            hint="a member is stuck; destroy the group on every member and create it again"))
 
 
 class _RelayReceive:
     """One chained fetch: receive every chunk (from the producer or the member before us), forward each to our
-    follower once the producer named one, and fall back to the producer when our source fails."""
+    follower once the producer named one, and fall back to the producer when our source fails or stalls."""
 
-    def __init__(self, ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, parts: List[torch.Tensor], cid: int,
+    def __init__(self, ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, landing_: _ChainLanding, cid: int,
                  deadline: float) -> None:
         self.ctx, self.meta, self.group, self.ref = ctx, meta, group, ref
-        self.parts, self.cid, self.deadline = parts, cid, deadline
+        self.landing, self.cid, self.deadline = landing_, cid, deadline
+        # Receives from a relay wait this long at most (in Gloo, parked or not): past our deadline by our whole
+        # timeout (a relay never sends past its own deadline, unless it is stopped past it), and a minute at least.
+        self.park_until = deadline + max(deadline - time.monotonic(), _relay.PARK_MIN_S)
         self.table = _relay.table(ctx)
+        self.cond = threading.Condition()  # a chunk landed, a phase ended, or the follower became known
         self.follower: Optional[Tuple[int, int]] = None
         self.known = threading.Event()  # set once the producer said whom we forward to (or nobody)
         self.sends: List[Any] = []
         self.forwarded = 0  # chunks posted to the follower
         self.forward_error: Optional[BaseException] = None
 
+    @property
+    def parts(self) -> List[torch.Tensor]:
+        return self.landing.parts
+
     def run(self, source: int, position: int, tag_base: int) -> None:
         producer, n = self.ref.rank, len(self.parts)
         head = source == producer  # only a chain's head is sent to after its "receives posted" message
         try:
-            recvs = self._post(source, tag_base, 0)
+            phase = self._phase(source, tag_base, 0)
         except (CollectiveTimeoutError, CommunicationError) as e:  # our source is already known to be gone
             if head:
                 raise
             # The producer serves a resumed fetch at once (no GO), so none is sent below.
-            recvs, source = self._resume(source, 0, e), producer
+            phase = self._resume(source, 0, f"{type(e).__name__}: {e}", broken=True)
         extra: List[Any] = []
         if head and waits_for_go("gloo", self.meta.nbytes):
             extra.append(self.group.backend.isend(torch.ones(1, dtype=torch.uint8), producer,
                                                   make_tag(TAG_OBJECT, tag_base + n)))
         poll = self.table.pollers().submit(self._ask_next, False)  # reused threads: nothing to start per fetch
-        k = 0
         try:
-            while k < n:
-                # With a follower, forward chunk by chunk; until one is named, wake once per LOOKAHEAD chunks
-                # (chunks from one peer complete in order); with none ever, once.
-                upto = k if self.follower is not None else \
-                    n - 1 if self.known.is_set() else min(k + _relay.LOOKAHEAD - 1, n - 1)
-                try:
-                    for j in (upto, *range(k, upto)):
-                        recvs[j].wait(self._chunk_wait(source, position))
-                except (CollectiveTimeoutError, CommunicationError) as e:
-                    if source == producer:
-                        raise
-                    recvs = self._resume(source, k, e)
-                    source = producer
-                    continue
-                k = upto + 1
-                self._forward(k)
+            self._receive(phase, max(position, 1))
         finally:
             if not self.known.is_set():  # done (or failed): nobody may join behind us any more (authoritative)
                 self._ask_next(final=True)
@@ -246,22 +369,77 @@ class _RelayReceive:
             w.wait(max(self.deadline - time.monotonic(), 1e-3))
         self._finish_forwards()
 
-    def _post(self, source: int, tag_base: int, first: int) -> Dict[int, Any]:
-        return {k: self.group.backend.irecv(self.parts[k], source, make_tag(TAG_OBJECT, tag_base + k))
-                for k in range(first, len(self.parts))}
+    def _phase(self, source: int, tag_base: int, first: int) -> _Phase:
+        """Post the receives of chunks ``first``.. from ``source`` and start waiting for them."""
+        works = [self.group.backend.irecv(self.parts[k], source, make_tag(TAG_OBJECT, tag_base + k))
+                 for k in range(first, len(self.parts))]
+        until = self.deadline if source == self.ref.rank else self.park_until
+        phase = _Phase(source, first, works, self.landing.keep(), until, self.cond)
+        self.table.waiters().submit(phase.wait, functools.partial(
+            _parked_end, self.table, self.group, self.meta.id_hex, self.park_until - self.deadline))
+        return phase
 
-    def _chunk_wait(self, source: int, position: int) -> float:
-        """How long to wait for the next chunk: the whole deadline from the producer; from a relay, a stall timeout
-        that grows with our position (the first member behind a stalled one gives up first)."""
-        left = max(self.deadline - time.monotonic(), 1e-3)
-        if source == self.ref.rank:
-            return left
-        return min(left, self.ctx.config.relay_stall_timeout * max(position, 1))
+    def _receive(self, phase: _Phase, position: int) -> None:
+        """Wait for every chunk, forwarding each as soon as it landed. A relay that fails, sends nothing for the
+        stall timeout times our ``position`` in the chain (the first member behind a stalled one gives up first),
+        or is still sending at our deadline is left: its receives are parked and the producer is asked for the
+        rest (at the deadline, a timeout)."""
+        n, producer = len(self.parts), self.ref.rank
+        stall = self.ctx.config.relay_stall_timeout * position
+        k, last = 0, time.monotonic()
+        while True:
+            with self.cond:
+                now = time.monotonic()
+                limit = 1.0 if phase.source == producer else max(min(last + stall, self.deadline) - now, 0.0)
+                self.cond.wait_for(lambda: phase.landed > k or phase.done or self._unforwarded(k),
+                                   timeout=min(limit, 1.0))
+                landed, error = phase.landed, phase.error
+            if landed > k:
+                k, last = landed, time.monotonic()
+            self._forward(k)
+            if k >= n:
+                return
+            if phase.source == producer:
+                if error is not None:
+                    raise error  # the producer's receives wait in Gloo until our deadline, as a plain fetch's do
+                continue
+            now = time.monotonic()
+            if error is not None:
+                phase = self._resume(phase.source, k, f"{type(error).__name__}: {error}",
+                                     broken=isinstance(error, CommunicationError))
+            elif now >= self.deadline:
+                self._park(phase, k, "it was still sending at the fetch's deadline")
+                raise TimeoutError(f"{self.meta.describe()} in group {self.group.name!r}: relay rank "
+                                   f"{phase.source} had sent {k} of {n} chunks at the fetch's deadline")
+            elif now - last >= stall:
+                self._park(phase, k, f"it sent nothing for {now - last:.1f}s")
+                phase = self._resume(phase.source, k, f"it stalled: nothing for {now - last:.1f}s", broken=False)
+            else:
+                continue
+            last = time.monotonic()
 
-    def _resume(self, relay: int, k: int, cause: BaseException) -> Dict[int, Any]:
-        """Our source ``relay`` failed at chunk ``k``: ask the producer for chunks k.. directly."""
+    def _unforwarded(self, k: int) -> bool:
+        """Whether chunks that landed wait for a follower that became known meanwhile."""
+        return self.follower is not None and self.forwarded < k and self.forward_error is None
+
+    def _park(self, phase: _Phase, k: int, why: str) -> None:
+        """Leave ``phase``'s receives posted (they cannot be cancelled) with the memory they land in."""
+        if not phase.park():
+            return
+        self.table.add("parked")
+        logger.warning("rdt: group=%s rank=%d: left relay rank %d at chunk %d/%d of object %s (%s); its %d "
+                       "receives stay posted until it sends, dies or the group goes", self.group.name,
+                       self.group.rank, phase.source, k, len(self.parts), self.meta.id_hex, why,
+                       len(self.parts) - k)
+
+    def _resume(self, relay: int, k: int, cause: str, broken: bool) -> _Phase:
+        """Our source ``relay`` failed or stalled at chunk ``k``: ask the producer for chunks k.. directly, landing
+        in a fresh block (what we posted to the relay may still land in the old one, which the caller never gets).
+        ``broken``: its connection failed (it died), so our view of the group is ERRORED if the producer cannot
+        be asked either."""
         group, meta, producer = self.group, self.meta, self.ref.rank
         self.table.add("fallbacks")
+        self.landing.move(k)
         logger.warning("rdt: group=%s rank=%d: relay rank %d failed at chunk %d/%d of object %s (%s); asking the "
                        "producer (rank %d) for the rest", group.name, group.rank, relay, k, len(self.parts),
                        meta.id_hex, cause, producer)
@@ -273,17 +451,17 @@ class _RelayReceive:
         try:
             control_request(self.ctx, meta, REQ_FETCH_GROUP, _control.KEY_GROUP,
                             group.backend.config.secret, payload, max(self.deadline - time.monotonic(), 1e-3))
-            return self._post(producer, tag_base, k)
-        except Exception as e:  # noqa: BLE001 - typed: the dead relay, the producer and the object are named
-            # Our side of the group is broken now (a stall timeout makes Gloo close this rank's connections).
-            group._mark_errored(CommunicationError(
-                f"relay rank {relay} failed while forwarding object {meta.id_hex[:16]}: {cause}", group=group.name,
-                rank=group.rank, peer=relay, op="object relay", object_id=meta.id_hex,
-                hint="a member died or stalled; destroy the group on every member and create it again"))
+        except Exception as e:  # noqa: BLE001 - typed: the failed relay, the producer and the object are named
+            if broken:
+                group._mark_errored(CommunicationError(
+                    f"relay rank {relay} failed while forwarding object {meta.id_hex[:16]}: {cause}",
+                    group=group.name, rank=group.rank, peer=relay, op="object relay", object_id=meta.id_hex,
+                    hint="a member died; destroy the group on every member and create it again"))
             if isinstance(e, TimeoutError):
                 raise TimeoutError(f"{where} timed out: {e}") from e
             raise ObjectFetchError(f"{where} failed: {type(e).__name__}: {e}", object_id=meta.id_hex,
                                    hint="destroy the group and re-form it with live members") from e
+        return self._phase(producer, tag_base, k)
 
     def _ask_next(self, final: bool) -> None:
         """Ask the producer whom we forward to: held there until it knows (``final``: we are done receiving)."""
@@ -297,10 +475,12 @@ class _RelayReceive:
         except Exception as e:  # noqa: BLE001 - without an answer we forward to nobody; a follower falls back
             logger.debug("rdt: asking whom to forward %s to failed: %s", meta.id_hex, e)
             rank, tags = -1, 0
-        if not self.known.is_set():
-            if rank >= 0:
-                self.follower = (rank, tags)
-            self.known.set()
+        with self.cond:
+            if not self.known.is_set():
+                if rank >= 0:
+                    self.follower = (rank, tags)
+                self.known.set()
+                self.cond.notify_all()
 
     def _forward(self, upto: int) -> None:
         """Post the sends of chunks received so far (< ``upto``) to our follower, once one is known."""
