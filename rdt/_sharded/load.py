@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from .._objects.meta import ObjectMeta
-from ..errors import InvalidArgumentError, ObjectFreedError, ProducerDiedError, RdtError, TransferTimeoutError
+from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError, RdtError,
+                      TransferTimeoutError)
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
 
@@ -97,6 +98,7 @@ class WeightLoader:
                                        hint="pass e.g. timeout=60.0")
         start = time.monotonic()
         deadline = start + timeout
+        _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
         planned = self._plan is None or self._plan[0] != manifest.layout_key
         if planned:
             self._plan = (manifest.layout_key, _make_plan(self._wants, manifest))
@@ -226,6 +228,22 @@ def _holders(manifest: Manifest, param: str, box: Any, salt: int) -> List[Tuple[
     return [held[salt % len(held)] for held in by_box.values()]
 
 
+def _targets_free(targets: List[torch.Tensor], timeout: float) -> None:
+    """Wait, at most ``timeout``, until no earlier load's timed-out read may still write into ``targets`` (it would
+    overwrite this load's bytes when it ends); raises IntoBusyError naming it, having moved nothing."""
+    from .._process.context import get_context
+
+    start = time.monotonic()
+    holds = get_context().busy_targets.wait_free(targets, timeout)
+    if holds:
+        raise IntoBusyError(
+            f"the load's targets are still being written by {holds[0].what}, which timed out "
+            f"{time.monotonic() - holds[0].since:.1f}s ago and is still in flight; waited "
+            f"{time.monotonic() - start:.1f}s, nothing was moved",
+            hint="load into other tensors meanwhile, or retry later: that read ends when its trainer serves it or "
+                 "dies (kill a stuck trainer and it ends at once, leaving the targets free)")
+
+
 def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float) -> str:
     """Land one rank's runs; the label of the path that served. Errors name the rank."""
     from .. import transports
@@ -254,6 +272,12 @@ def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Ten
     except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
         raise type(e)(f"producer rank {shards.rank} (version {shards.version}): {e}", rank=shards.rank,
                       object_id=meta.id_hex, hint=e.hint) from e
+    except TimeoutError as e:  # a transport's own timeout (a NIXL READ that timed out is parked, its targets busy)
+        raise TransferTimeoutError(
+            f"producer rank {shards.rank} (version {shards.version}): the range read did not finish in time: {e}",
+            rank=shards.rank, object_id=meta.id_hex,
+            hint="the targets stay busy until that read ends; the next load into them waits for it (kill a stuck "
+                 "trainer and it ends at once); raise timeout= for huge models") from e
 
 
 def _whole(ctx: Any, meta: ObjectMeta, ranges: Any, deadline: float) -> str:
