@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -20,6 +19,7 @@ import torch
 
 import rdt
 
+from ._nixl_stall import stall_agent
 from .conftest import HAS_NIXL, wait_for
 
 pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"),
@@ -52,20 +52,7 @@ class Producer:
     def stall(self, seconds: float) -> float:
         """Hold this process's NIXL agent lock for ``seconds`` (its READs make no progress meanwhile); returns the
         wall-clock time the stall ends."""
-        from rdt._process.context import get_context
-        from rdt.transports.nixl.agent import agent
-
-        ag = agent(get_context())
-        held = threading.Event()
-
-        def hold() -> None:
-            with ag.lock:
-                held.set()
-                time.sleep(seconds)
-
-        threading.Thread(target=hold, daemon=True).start()
-        held.wait()
-        return time.time() + seconds
+        return stall_agent(seconds)
 
 
 @ray.remote

@@ -8,7 +8,6 @@ after the stalled READ of step k has landed.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Tuple
 
@@ -18,6 +17,7 @@ import torch
 
 import rdt
 
+from ._nixl_stall import stall_agent
 from .conftest import HAS_NIXL
 
 pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"),
@@ -38,19 +38,7 @@ class Trainer:
 
     def stall(self, seconds: float) -> None:
         """Hold this process's NIXL agent lock for ``seconds`` (its READs make no progress meanwhile)."""
-        from rdt._process.context import get_context
-        from rdt.transports.nixl.agent import agent
-
-        ag = agent(get_context())
-        held = threading.Event()
-
-        def hold() -> None:
-            with ag.lock:
-                held.set()
-                time.sleep(seconds)
-
-        threading.Thread(target=hold, daemon=True).start()
-        held.wait()
+        stall_agent(seconds)
 
 
 @ray.remote

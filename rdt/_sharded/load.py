@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .._objects.meta import ObjectMeta
-from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError, RdtError,
+from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
                       TransferTimeoutError)
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards

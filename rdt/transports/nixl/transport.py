@@ -66,11 +66,7 @@ class NixlTransport(Transport):
                                    hint="their producers are stuck or unreachable: kill them (their READs then fail "
                                         "at once) or wait until they serve again") from e
         except TimeoutError as e:  # other errors (NIXL's own) are named by the consumer core, which probes alike
-            state, why = probe(ctx, meta)
-            if state == "dead":
-                raise died(meta, e) from e
-            if state == "silent":
-                raise unreachable(meta, "the NIXL READ", e, why) from e
+            _name_the_producer(ctx, meta, "the NIXL READ", e)
             raise
 
     def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
@@ -85,11 +81,7 @@ class NixlTransport(Transport):
         try:
             return read_ranges(ctx, info, ranges, _left(deadline))
         except (TimeoutError, RuntimeError) as e:
-            state, why = probe(ctx, meta)
-            if state == "dead":
-                raise died(meta, e) from e
-            if state == "silent":
-                raise unreachable(meta, "the NIXL READ of ranges", e, why) from e
+            _name_the_producer(ctx, meta, "the NIXL READ of ranges", e)
             raise
 
     def handlers(self) -> Dict[int, Served]:
@@ -116,3 +108,13 @@ def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 1e-3)
+
+
+def _name_the_producer(ctx: Any, meta: ObjectMeta, what: str, e: BaseException) -> None:
+    """A READ failed: raise ProducerDiedError or an unreachable error when the producer is dead or silent (else
+    return, and the caller re-raises ``e``)."""
+    state, why = probe(ctx, meta)
+    if state == "dead":
+        raise died(meta, e) from e
+    if state == "silent":
+        raise unreachable(meta, what, e, why) from e
