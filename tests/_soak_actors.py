@@ -84,11 +84,11 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))) if hi > lo else lo
 
 
-def _shape(rng: random.Random, numel: int) -> Tuple[int, ...]:
+def _shape(rng: random.Random, numel: int, empty: bool) -> Tuple[int, ...]:
     r = rng.random()
     if r < 0.04:
         return ()
-    if r < 0.08:
+    if r < 0.08 and empty:
         return (0,) if rng.random() < 0.5 else (0, 3)
     if r < 0.6 or numel < 4:
         return (numel,)
@@ -98,17 +98,23 @@ def _shape(rng: random.Random, numel: int) -> Tuple[int, ...]:
     return (numel,)
 
 
-def plan_structure(seed: int, big: bool, min_bytes: int = 0) -> Tuple[List[Base], List[View], List[str]]:
+def plan_structure(seed: int, big: bool, min_bytes: int = 0,
+                   plain: Optional[bool] = None) -> Tuple[List[Base], List[View], List[str]]:
     """The structure of a model (bases, views, key order), deterministic in ``seed``; re-drawn (seed + 1, ...)
-    until its bases hold at least ``min_bytes``."""
-    for attempt in range(100):
-        bases, views, order = _plan(random.Random(seed + attempt), big)
-        if sum(math.prod(b.shape) * torch.empty(0, dtype=b.dtype).element_size() for b in bases) >= min_bytes:
+    until its bases hold at least ``min_bytes``. ``plain``: a state dict of 16 or more tensors each alone on its
+    storage and none empty (what rdt's many-tensor pass takes), or one with views, tied storages and empty
+    tensors; None: either."""
+    for attempt in range(1000):
+        rng = random.Random(seed + attempt)
+        style = rng.random() < 0.5 if plain is None else plain
+        bases, views, order = _plan(rng, big, style)
+        nbytes = sum(math.prod(b.shape) * torch.empty(0, dtype=b.dtype).element_size() for b in bases)
+        if nbytes >= min_bytes and (not style or len(order) >= 16) and (style or views):
             break
     return bases, views, order
 
 
-def _plan(rng: random.Random, big: bool) -> Tuple[List[Base], List[View], List[str]]:
+def _plan(rng: random.Random, big: bool, plain: bool) -> Tuple[List[Base], List[View], List[str]]:
     if big:  # weight-sync-like: a few large tensors (several relay chunks) and small ones
         n, budget = rng.randint(6, 40), rng.randint(9, 14) << 20
     else:
@@ -120,7 +126,7 @@ def _plan(rng: random.Random, big: bool) -> Tuple[List[Base], List[View], List[s
     for i in range(n):
         key = f"layer.{i}.{rng.choice(['weight', 'bias', 'scale', 'ids', 'mask'])}"
         order.append(key)
-        r = rng.random()
+        r = 1.0 if plain else rng.random()
         usable = [j for j, b in enumerate(bases) if len(b.shape) >= 1 and math.prod(b.shape) >= 4]
         if usable and r < 0.06:
             views.append(View(key, rng.choice(usable), "tied"))
@@ -145,11 +151,11 @@ def _plan(rng: random.Random, big: bool) -> Tuple[List[Base], List[View], List[s
         else:
             cap = (64 << 10) if big else budget // n
             numel = _log_uniform(rng, 1, max(1, cap // es))
-        if rng.random() < 0.05:  # only a view of this storage is returned
+        if not plain and rng.random() < 0.05:  # only a view of this storage is returned
             bases.append(Base(None, dtype, (numel,)))
             views.append(View(key, len(bases) - 1, "slice", (0, max(1, numel // 2))))
         else:
-            bases.append(Base(key, dtype, _shape(rng, numel)))
+            bases.append(Base(key, dtype, _shape(rng, numel, empty=not plain)))
     return bases, views, order
 
 
@@ -179,15 +185,17 @@ def _view(base: torch.Tensor, v: View) -> torch.Tensor:
 class Model:
     """A state dict a producer returns again and again (changed or freed in between where that is allowed)."""
 
-    def __init__(self, mid: int, seed: int, snap: bool, shared: bool, big: bool) -> None:
+    def __init__(self, mid: int, seed: int, values: int, snap: bool, shared: bool, big: bool,
+                 plain: Optional[bool]) -> None:
+        """Structure from ``seed`` (every producer of a soak has the same models), values from ``values``."""
         self.mid, self.snap, self.shared, self.big = mid, snap, shared, big
         # shared models stay out of band (above the inline threshold), or no shm-map fetch would happen
-        self.bases_plan, self.views_plan, self.keys = plan_structure(seed, big, 256 << 10 if shared else 0)
+        self.bases_plan, self.views_plan, self.keys = plan_structure(seed, big, 256 << 10 if shared else 0, plain)
         self.lock = threading.Lock()
         self.version = 0
         self.step = seed % 1000 if seed % 3 == 0 else None  # a non-tensor leaf in some models
         self.scratch: List[torch.Tensor] = []
-        self.build(seed)
+        self.build(values)
 
     def build(self, seed: int) -> None:
         """New storages with new values (the old ones are dropped and their memory reused by garbage)."""
@@ -235,18 +243,20 @@ class Model:
 
 # ------------------------------------------------------------------------------------------------ producer
 def _tm(transport: str, snap: bool):
-    """A tensor_method returning (state dict, info) as two objects; info holds the digests taken at return."""
+    """An actor method returning (state dict, info) as two objects through a tensor_method; info holds the
+    digests taken at return. A snapshot model's lock is held until rdt copied it (inside the decorated call)."""
 
     @rdt.tensor_method(tensor_transport=transport, snapshot=snap, num_returns=2)
-    def make(self: "SoakProducer", mid: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        self._release()
-        model = self.models[mid]
-        assert model.snap == snap
-        if snap:  # held until the next method of this actor starts: rdt copies the tensors after this returns
-            model.lock.acquire()
-            self._held = model.lock
+    def produce(self: "SoakProducer", model: Model) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         return model.value, self._info(model)
 
+    def make(self: "SoakProducer", mid: int) -> Any:
+        model = self.models[mid]
+        assert model.snap == snap
+        with model.lock:
+            return produce(self, model)
+
+    make.__ray_num_returns__ = 2  # what produce's options say, on the method Ray calls
     return make
 
 
@@ -259,16 +269,18 @@ class SoakProducer:
             locals()[f"tm_{_t}_{int(_s)}"] = _tm(_t, _s)
     del _t, _s
 
-    def __init__(self, seed: int, config: Dict[str, Any]) -> None:
+    def __init__(self, seed: int, values: int, config: Dict[str, Any]) -> None:
+        """Models of structures drawn from ``seed`` (the same in every producer: a consumer's targets for model i
+        take any producer's model i) and values from ``values``."""
         rdt.configure(**config)
-        rng = random.Random(seed)
-        kinds = [(True, False, False), (True, False, False), (True, False, True),  # snapshot models
-                 (False, False, False), (False, False, False), (False, True, False), (False, True, True),
-                 (False, False, True)]
-        self.models = [Model(i, rng.randrange(1 << 30), snap, shared, big) for i, (snap, shared, big) in enumerate(kinds)]
-        self._held: Optional[threading.Lock] = None
+        rng, vals = random.Random(seed), random.Random(values)
+        # (snapshot, shared memory, big, plain state dict): every combination the paths treat differently
+        kinds = [(True, False, False, True), (True, False, False, False), (True, False, True, None),
+                 (False, False, False, True), (False, False, False, False), (False, True, False, None),
+                 (False, True, True, None), (False, False, True, None)]
+        self.models = [Model(i, rng.randrange(1 << 30), vals.randrange(1 << 30), *kind) for i, kind in enumerate(kinds)]
         self.counts = {"mutations": 0, "frees": 0, "in_use": 0, "wait_freed_ok": 0}
-        self._rng = random.Random(seed + 1)
+        self._rng = random.Random(values + 1)
         self._stop = threading.Event()
         self._churner = threading.Thread(target=self._churn_snapshots, name="soak-churn", daemon=True)
         self._churner.start()
@@ -276,22 +288,18 @@ class SoakProducer:
     def where(self) -> str:
         return rdt.__file__
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def catalog(self) -> List[Tuple[int, bool, bool, bool, Layout]]:
         """(model id, snapshot, shared, big, layout) of every model (layouts never change)."""
-        self._release()
         return [(m.mid, m.snap, m.shared, m.big, m.layout()) for m in self.models]
-
-    def _release(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.release()
 
     def _info(self, model: Model) -> Dict[str, Any]:
         return {"digests": value_digests(model.value), "nbytes": value_bytes(model.value), "mid": model.mid}
 
     def put(self, mid: int, transport: str) -> Tuple[List[Any], Dict[str, Any]]:
         """rdt.put of a model (snapshot=True for snapshot models), its digests taken under the model's lock."""
-        self._release()
         model = self.models[mid]
         with model.lock:
             info = self._info(model)
@@ -319,7 +327,6 @@ class SoakProducer:
     def churn_live(self, seed: int, wait_s: float) -> int:
         """Change or free a live model once rdt.wait_tensor_freed says no object holds any of its storages (a
         bounded wait: a model still in use is left alone). Returns how many were changed."""
-        self._release()
         rng = random.Random(seed)
         changed = 0
         for model in rng.sample([m for m in self.models if not m.snap], 2):
@@ -340,17 +347,14 @@ class SoakProducer:
         return changed
 
     def group_state(self, name: str) -> str:
-        self._release()
         return rdt_transports.get_group(name).state.value if rdt_transports.is_group_initialized(name) else "none"
 
     def report(self) -> Dict[str, Any]:
-        self._release()
         return {"counts": dict(self.counts), "stats": rdt.stats()}
 
     def stop(self) -> None:
         self._stop.set()
         self._churner.join(timeout=5)
-        self._release()
 
 
 # ------------------------------------------------------------------------------------------------ consumer
@@ -401,8 +405,10 @@ class SoakConsumer:
         self.violations: List[str] = []
         self.layouts: Dict[Tuple[int, int], Layout] = {}
         self._paths = dict(rdt.stats()["paths"])
+        self.normal_timeout = normal_timeout
         self.counts: Dict[str, int] = {"into_failed": 0, "into_failed_rechecked": 0, "into_in_flight": 0,
-                                       "sets_checked": 0, "kept_checked": 0}
+                                       "sets_checked": 0, "kept_checked": 0, "retries": 0, "rechecked_after_retry": 0}
+        self._reported: Dict[str, int] = {}
         self._calls = 0
 
     def where(self) -> str:
@@ -440,7 +446,8 @@ class SoakConsumer:
         for key, sets in self.sets.items():
             for s in sets:
                 if final or (s.check_at_ready and s.ready_at <= now):
-                    self.counts["into_failed_rechecked"] += s.check_at_ready
+                    if s.check_at_ready:
+                        self.counts["rechecked_after_retry" if "retry" in s.why else "into_failed_rechecked"] += 1
                     self._verify_set(key, s, "after the failed fetch raised" if s.check_at_ready
                                      else "between fetches")
                     s.check_at_ready = False
@@ -471,57 +478,83 @@ class SoakConsumer:
         return "+".join(sorted(delta)) or "none"
 
     # ---- fetches
-    def fetch(self, refs: List[Any], job: Job) -> Tuple[Any, ...]:
-        """rdt.get of ``refs[0]`` per ``job``: ("ok", path, digests, bytes, violations) or ("err", type name,
-        message, path, violations)."""
+    def fetch(self, refs: List[Any], job: Job) -> Tuple[List[Tuple[Any, ...]], List[str], Dict[str, int]]:
+        """rdt.get of ``refs[0]`` per ``job``; after a failed fetch into targets (re-checked twice its timeout
+        later, except a NIXL READ still in flight: at once), ``refs[1]`` (the model's next object, when given) into
+        the same targets with the normal timeout, as a trainer retries a weight sync. Per fetch ("ok", path, digests, bytes) or ("err", type name, message, path); the violations found
+        meanwhile; this consumer's counters since the last call."""
         self.sweep()
         if job.start_at:
             time.sleep(max(0.0, job.start_at - time.time()))
-        rdt.configure(shm_cma=job.shm_cma, shm_map=job.shm_map, relay=job.relay)
-        self._path()
         rng = random.Random(job.jid)
         s = self._targets(job.key, rng) if job.mode == "into" else None
+        out = [self._one(refs[0], s, job, job.timeout, rng)]
+        if s is not None and out[0][0] == "err" and s.check_at_ready:  # twice its timeout later: unchanged
+            time.sleep(max(0.0, s.ready_at - time.monotonic()))
+            self.sweep()
+        if s is not None and out[0][0] == "err" and len(refs) > 1:
+            self.counts["retries"] += 1
+            out.append(self._one(refs[1], s, job, self.normal_timeout, rng, after=job.timeout))
+        return out, self._take_violations(), self._counts()
+
+    def _one(self, ref: Any, s: Optional[TargetSet], job: Job, timeout: float, rng: random.Random,
+             after: float = 0.0) -> Tuple[Any, ...]:
+        """One rdt.get (into ``s`` when given); a successful retry ``after`` a failed fetch of that timeout is
+        re-checked later: the failed fetch must never write over it."""
+        rdt.configure(shm_cma=job.shm_cma, shm_map=job.shm_map, relay=job.relay)
+        self._path()
         try:
             try:
-                value = rdt.get(refs[0], into=s.tensors if s else None, timeout=job.timeout)
+                value = rdt.get(ref, into=s.tensors if s else None, timeout=timeout)
             finally:
                 rdt.configure(shm_cma=True, shm_map=True, relay=self.config.get("relay", True))
         except Exception as e:  # noqa: BLE001 - the driver counts every error type
             raised = time.monotonic()
             path = self._path()
             if s is not None:
-                self.counts["into_failed"] += 1
-                s.ready_at = raised + 2 * job.timeout
-                if IN_FLIGHT in str(e):  # documented: a timed-out NIXL READ may still land in these targets
-                    self.counts["into_in_flight"] += 1
-                    s.known, s.check_at_ready, s.why = None, False, f"job {job.jid}: NIXL READ in flight"
-                elif isinstance(e, rdt.IntoBusyError):  # moved nothing; an earlier READ may still land
-                    s.check_at_ready = s.known is not None
-                    s.why = f"job {job.jid}: IntoBusyError"
-                else:  # rdt waited for any earlier READ before this fetch: nothing may land from now on
-                    s.known, s.check_at_ready = value_digests(s.tensors), True
-                    s.why = f"job {job.jid}: {type(e).__name__}"
-            return ("err", type(e).__name__, str(e)[:400], path, self._take_violations())
-        return self._received(value, s, job, self._path(), rng)
-
-    def fetch_arg(self, value: Dict[str, Any], job: Job) -> Tuple[Any, ...]:
-        """The same for a ref passed as an argument (Ray resolves it through rdt before this runs)."""
+                self._failed_into(s, e, job, raised + 2 * timeout)
+            return ("err", type(e).__name__, str(e)[:400], path)
         path = self._path()
-        self.sweep()
-        return self._received(value, None, job, path, random.Random(job.jid))
-
-    def _received(self, value: Dict[str, Any], s: Optional[TargetSet], job: Job, path: str,
-                  rng: random.Random) -> Tuple[Any, ...]:
         digests = value_digests(value)
         if s is not None:
             if not all(value[k] is t for k, t in s.tensors.items()):
                 self._violation(f"job {job.jid}: into= leaves are not the targets")
-            s.known, s.ready_at, s.check_at_ready = value_digests(s.tensors), 0.0, False
-            s.why = f"job {job.jid}: ok"
+            s.known, s.check_at_ready = value_digests(s.tensors), after > 0
+            s.ready_at = time.monotonic() + 2 * after + 0.5 if after else 0.0
+            s.why = f"job {job.jid}: retry after a failed fetch" if after else f"job {job.jid}: ok"
         elif rng.random() < 0.2:
             self.kept.append(Kept(value, digests, job.jid))
             del self.kept[:-3]
-        return ("ok", path, digests, value_bytes(value), self._take_violations())
+        return ("ok", path, digests, value_bytes(value))
+
+    def _failed_into(self, s: TargetSet, e: Exception, job: Job, ready_at: float) -> None:
+        """After a fetch into ``s`` raised: what its bytes must stay, and until when it is not used again."""
+        self.counts["into_failed"] += 1
+        s.ready_at = ready_at
+        if IN_FLIGHT in str(e):  # documented: a timed-out NIXL READ may still land in these targets
+            self.counts["into_in_flight"] += 1
+            s.known, s.check_at_ready, s.why = None, False, f"job {job.jid}: NIXL READ in flight"
+        elif isinstance(e, rdt.IntoBusyError):  # moved nothing; an earlier READ may still land
+            s.check_at_ready = s.known is not None
+            s.why = f"job {job.jid}: IntoBusyError"
+        else:  # rdt waited for any earlier READ before this fetch: nothing may land from now on
+            s.known, s.check_at_ready = value_digests(s.tensors), True
+            s.why = f"job {job.jid}: {type(e).__name__}"
+
+    def fetch_arg(self, value: Dict[str, Any], job: Job) -> Tuple[List[Tuple[Any, ...]], List[str], Dict[str, int]]:
+        """The same for a ref passed as an argument (Ray resolves it through rdt before this runs)."""
+        path = self._path()
+        self.sweep()
+        digests = value_digests(value)
+        if random.Random(job.jid).random() < 0.2:
+            self.kept.append(Kept(value, digests, job.jid))
+            del self.kept[:-3]
+        return [("ok", path, digests, value_bytes(value))], self._take_violations(), self._counts()
+
+    def _counts(self) -> Dict[str, int]:
+        out = {k: v - self._reported.get(k, 0) for k, v in self.counts.items()}
+        self._reported = dict(self.counts)
+        return out
 
     def _take_violations(self) -> List[str]:
         out, self.violations = self.violations, []
@@ -533,7 +566,7 @@ class SoakConsumer:
         due = max([s.ready_at for sets in self.sets.values() for s in sets] + [0.0])
         time.sleep(max(0.0, min(due, end) - time.monotonic()))
         self.sweep(final=True)
-        return self._take_violations(), {"stats": rdt.stats(), "counts": dict(self.counts)}
+        return self._take_violations(), {"stats": rdt.stats(), "counts": self._counts()}
 
     def pid(self) -> int:
         return os.getpid()

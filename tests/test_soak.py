@@ -22,7 +22,9 @@ import datetime
 import os
 import platform
 import random
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -39,6 +41,8 @@ GROUP = "soak"
 # Every actor: "big" models (5-14 MiB) are relayed when fetched together; objects over 16 KiB travel out of band.
 CONFIG = {"relay_min_bytes": 4 << 20, "inline_threshold": 16 << 10}
 TINY = (0.0002, 0.001, 0.005, 0.02, 0.1)  # injected timeouts, seconds
+STOP_S = 0.5  # a producer stopped (SIGSTOP) while a forced NIXL fetch from it times out
+FORCED = object()  # _job(tiny=FORCED): TINY[1], a timeout a large READ over UCX/TCP always misses
 TRANSPORTS = ("shm", "gloo", "object_store", "auto") + (("nixl",) if HAS_NIXL else ())
 CPU_PATHS = {"shm-direct", "shm-segment", "shm-map", "gloo", "object_store", "inline"} | ({"nixl"} if HAS_NIXL else set())
 
@@ -58,6 +62,7 @@ class Tally:
     phases: collections.Counter = field(default_factory=collections.Counter)
     samples: Dict[str, str] = field(default_factory=dict)  # an error message per error type
     tiny: collections.Counter = field(default_factory=collections.Counter)  # (transport mode, failed?) of tiny ones
+    consumer_counts: collections.Counter = field(default_factory=collections.Counter)  # the consumers' own checks
 
     def line(self, seed: int, seconds: float, extra: str = "") -> str:
         errors = ", ".join(f"{k} {v}" for k, v in self.errors.most_common())
@@ -88,25 +93,32 @@ class Soak:
         self.seed = seed
         self.normal_timeout = normal_timeout
         self.tally = Tally()
+        self.progress = False
         self.jid = 0
-        self.producers = [SoakProducer.remote(seed * 100 + i, CONFIG) for i in range(n_producers)]
+        self.producers = [SoakProducer.remote(seed, seed * 100 + i, CONFIG) for i in range(n_producers)]
         self.catalogs = ray.get([p.catalog.remote() for p in self.producers], timeout=180)
-        self.consumers = [self._consumer() for _ in range(n_consumers)]
+        assert all(c == self.catalogs[0] for c in self.catalogs), "the producers' models differ in structure"
+        self.pids = ray.get([p.pid.remote() for p in self.producers], timeout=180)
+        self.consumers = [self._consumer(i) for i in range(n_consumers)]
         where = ray.get([a.where.remote() for a in self.producers + self.consumers], timeout=180)
         assert set(where) == {rdt.__file__}, where  # every actor runs this checkout's rdt
         self.group = rdt.create_collective_group(self.producers + self.consumers, backend="gloo", name=GROUP,
                                                  timeout=120)
 
-    def _consumer(self) -> Any:
-        c = SoakConsumer.remote(CONFIG, self.normal_timeout)
+    def _consumer(self, index: int) -> Any:
+        """Consumer ``index``; consumer 1 runs UCX over TCP only, so its NIXL READs need the producer to progress
+        (as across nodes) and one that timed out stays in flight a while."""
+        options = {"runtime_env": {"env_vars": {"UCX_TLS": "tcp"}}} if index == 1 else {}
+        c = SoakConsumer.options(**options).remote(CONFIG, self.normal_timeout)
         ray.get([c.learn.remote(i, cat) for i, cat in enumerate(self.catalogs)], timeout=180)
         return c
 
     # ---- planning
-    def _make(self, producer: int, mid: int, transport: str) -> Obj:
+    def _make(self, producer: int, mid: int, transport: str, how: str = "") -> Obj:
+        """An object of model ``mid`` over ``transport``, by a tensor_method ("tm") or rdt.put ("put")."""
         snap = self.catalogs[producer][mid][1]
         p = self.producers[producer]
-        if self.rng.random() < 0.5:
+        if (how or self.rng.choice(["tm", "put"])) == "tm":
             value, info = getattr(p, f"tm_{transport}_{int(snap)}").remote(mid)
             return Obj(producer, mid, transport, snap, [value], info)
         return Obj(producer, mid, transport, snap, *self._put(p, mid, transport))
@@ -117,7 +129,7 @@ class Soak:
         return [out], out  # resolved below: ([ref], info)
 
     def _job(self, obj: Obj, consumer: int, mode: Optional[str] = None, start_at: float = 0.0,
-             tiny: Optional[bool] = None, shm_cma: Optional[bool] = None) -> Job:
+             tiny: Any = None, shm_cma: Optional[bool] = None) -> Job:
         rng = self.rng
         self.jid += 1
         mode = mode or rng.choices(["get", "into", "arg"], [45, 45, 10])[0]
@@ -125,7 +137,7 @@ class Soak:
         if tiny is None:
             tiny = mode != "arg" and rng.random() < (0.05 if obj.transport == "gloo" else 0.2)
         if tiny:
-            timeout = rng.choice(TINY)
+            timeout = rng.choice(TINY) if tiny is not FORCED else TINY[1]
             self.tally.faults["tiny_timeouts"] += 1
         return Job(self.jid, (obj.producer, obj.mid), mode, timeout,
                    shm_cma=rng.random() > 0.3 if shm_cma is None else shm_cma, shm_map=rng.random() > 0.15,
@@ -142,39 +154,68 @@ class Soak:
         for p in range(len(self.producers)):
             for _ in range(6):
                 objs.append(self._make(p, rng.randrange(len(self.catalogs[p])), rng.choice(TRANSPORTS)))
-        if self.tally.waves == 0:  # last: fetched into targets with a tiny timeout (the soak's random ones may miss)
-            for t in [t for t in TRANSPORTS if t in ("nixl", "object_store")] + ["shm"]:
-                p = rng.randrange(len(self.producers))
-                objs.append(self._make(p, rng.choice([m[0] for m in self.catalogs[p] if m[3]]), t))
+        # Last: fetched into targets with a tiny timeout (the random ones rarely time out a large READ): every wave a
+        # large snapshot model over NIXL (its next object differs, so a late READ would show), once the others.
+        forced = ["nixl"] if HAS_NIXL else []
+        forced += ["object_store", "shm"] if self.tally.waves == 0 else []
+        for t in forced:  # by tensor_method: the driver owns the ref, its metadata needs no producer
+            p = rng.randrange(len(self.producers))
+            big = [m[0] for m in self.catalogs[p] if m[3] and (m[1] or t != "nixl")]
+            objs.append(self._make(p, rng.choice(big), t, "tm"))
         return objs
 
     # ---- running
-    def wave(self, kill: bool) -> None:
-        rng = self.rng
-        ph, t0 = self.tally.phases, time.monotonic()
-        objs = self._wave_objects()
-        for o in objs:  # every producer call first, then resolve (put: ([ref], info); tensor_method: info)
+    def _resolve(self, objs: List[Obj]) -> None:
+        """Every producer call was made first; now their results (put: ([ref], info); tensor_method: info)."""
+        for o in objs:
             got = ray.get(o.info, timeout=120)
             if isinstance(got, tuple):
                 o.refs, o.info = got
             else:
                 o.info = got
-        ph["make"] += time.monotonic() - t0
-        t0 = time.monotonic()
-        calls: List[Tuple[Obj, Job, int, Any]] = []
-        start = time.time() + 0.3
+
+    def wave(self, kill: bool) -> None:
+        rng = self.rng
+        ph, t0 = self.tally.phases, time.monotonic()
+        objs = self._wave_objects()
+        self._resolve(objs)
         relayed = 1 if self.tally.waves % 2 == 0 else 0
         forced = len(objs) - relayed - 6 * len(self.producers)
-        for o in objs[:relayed]:
-            for ci in range(len(self.consumers)):
-                calls.append(self._submit(o, ci, self._job(o, ci, rng.choice(["get", "into"]), start)))
+        plan: List[Tuple[Obj, int, Job]] = []
+        for o in objs[:relayed]:  # every consumer at once (start_at set below)
+            plan += [(o, ci, self._job(o, ci, rng.choice(["get", "into"]), 1.0)) for ci in range(len(self.consumers))]
         for o in objs[relayed:len(objs) - forced]:
             for ci in rng.sample(range(len(self.consumers)), rng.randint(1, len(self.consumers))):
-                calls.append(self._submit(o, ci, self._job(o, ci)))
-        for o in objs[len(objs) - forced:]:
-            ci = rng.randrange(len(self.consumers))
-            calls.append(self._submit(o, ci, self._job(o, ci, "into", tiny=True, shm_cma=False)))
-        for i, p in enumerate(self.producers):  # a bounded try while objects are in flight: mostly "in use"
+                plan.append((o, ci, self._job(o, ci)))
+        stop: List[int] = []
+        for o in objs[len(objs) - forced:]:  # first in their consumer's queue (NIXL: the one on UCX/TCP)
+            nixl = o.transport == "nixl"
+            ci = 1 if nixl else rng.randrange(len(self.consumers))
+            plan.insert(0, (o, ci, self._job(o, ci, "into", tiny=FORCED, shm_cma=nixl)))
+            stop += [o.producer] if nixl else []
+        # A fetch into targets with a tiny timeout carries the model's next object: the consumer fetches it into
+        # the same targets at once if the first fails, and nothing may write over it afterwards. After a forced
+        # NIXL timeout that next object comes from the other producer (running: it lands at once; the stopped
+        # one's READ lands later, and must not land over it).
+        other = {p: (p + 1) % len(self.producers) for p in range(len(self.producers))}
+        follow = {i: self._make(other[o.producer], o.mid, "shm", "tm") if i < len(stop) and o.transport == "nixl"
+                  else self._make(o.producer, o.mid, rng.choice(TRANSPORTS))
+                  for i, (o, _, job) in enumerate(plan) if job.mode == "into" and job.timeout < self.normal_timeout}
+        self._resolve(list(follow.values()))
+        ph["make"] += time.monotonic() - t0
+        t0 = time.monotonic()
+        # Not in a wave that kills a consumer: a consumer on UCX/TCP that dies while its READ waits on a stopped
+        # producer makes that producer abort when it resumes (test_nixl_tcp_consumer_death.py, strict xfail).
+        for p in stop if not kill else ():  # stuck a moment (SIGSTOP): a timed-out NIXL READ stays in flight
+            os.kill(self.pids[p], signal.SIGSTOP)
+            threading.Timer(STOP_S, os.kill, (self.pids[p], signal.SIGCONT)).start()
+            self.tally.faults["producer_stops"] += 1
+        start = time.time() + STOP_S + 0.3  # the relayed fetches: every consumer at once, no producer stopped
+        calls = []
+        for i, (o, ci, job) in enumerate(plan):
+            job.start_at = start if job.start_at else 0.0
+            calls.append(self._submit([o] + ([follow[i]] if i in follow else []), ci, job))
+        for p in self.producers:  # a bounded try while objects are in flight: mostly "in use"
             p.churn_live.remote(rng.randrange(1 << 30), 0.02)
         victim = None
         if kill:  # the consumer with the most fetches, while it fetches
@@ -185,62 +226,78 @@ class Soak:
         gloo_failed = self._collect(calls, victim)
         ph["fetch"] += time.monotonic() - t0
         t0 = time.monotonic()
-        del objs, calls
+        del objs, calls, follow, plan
         for p in self.producers:  # refs dropped: live models may change now
             p.churn_live.remote(rng.randrange(1 << 30), 0.2)
         if victim is not None:
-            self.consumers[victim] = self._consumer()
+            self.consumers[victim] = self._consumer(victim)
         if victim is not None or (gloo_failed and self._group_errored()):
             self._regroup()
         ph["recover"] += time.monotonic() - t0
         self.tally.waves += 1
+        if self.progress and self.tally.waves % 50 == 0:
+            print(f"  wave {self.tally.waves}: {self.tally.transfers} transfers, {len(self.tally.mismatches)} "
+                  f"mismatches", flush=True)
 
-    def _submit(self, o: Obj, ci: int, job: Job) -> Tuple[Obj, Job, int, Any]:
+    def _submit(self, objs: List[Obj], ci: int, job: Job) -> Tuple[List[Obj], Job, int, Any]:
         c = self.consumers[ci]
-        call = c.fetch_arg.remote(o.refs[0], job) if job.mode == "arg" else c.fetch.remote(o.refs, job)
-        return o, job, ci, call
+        if job.mode == "arg":
+            call = c.fetch_arg.remote(objs[0].refs[0], job)
+        else:
+            call = c.fetch.remote([o.refs[0] for o in objs], job)
+        return objs, job, ci, call
 
-    def _collect(self, calls: List[Tuple[Obj, Job, int, Any]], victim: Optional[int]) -> bool:
+    def _collect(self, calls: List[Tuple[List[Obj], Job, int, Any]], victim: Optional[int]) -> bool:
         """Check every result; whether a gloo fetch failed (its group may be ERRORED)."""
         t = self.tally
         deadline = time.monotonic() + 60 + 4 * self.normal_timeout * len(calls) / max(len(self.consumers), 1)
         gloo_failed = False
-        for o, job, ci, call in calls:
-            t.transfers += 1
+        for objs, job, ci, call in calls:
             try:
-                res = ray.get(call, timeout=max(1.0, deadline - time.monotonic()))
+                results, violations, counts = ray.get(call, timeout=max(1.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
-                t.mismatches.append(f"job {job.jid} ({o.transport}, {job.mode}) did not return: a hang")
+                t.transfers += 1
+                t.mismatches.append(f"job {job.jid} ({objs[0].transport}, {job.mode}) did not return: a hang")
                 continue
             except ray.exceptions.RayActorError:
                 assert ci == victim, f"consumer {ci} died without being killed"
+                t.transfers += 1
                 t.errors["killed"] += 1
                 continue
             except ray.exceptions.RayTaskError as e:  # an argument's fetch failed
                 cause = getattr(e, "cause", None) or e
-                res = ("err", type(cause).__name__, str(cause)[:400], "?", [])
-            t.mismatches.extend(f"consumer {ci}: {v}" for v in res[-1])
-            if job.timeout < self.normal_timeout:
-                t.tiny[f"{o.transport}/{job.mode}", res[0]] += 1
-            if res[0] == "ok":
-                _, path, digests, nbytes, _ = res
-                t.ok += 1
-                t.nbytes += nbytes
-                t.paths[path] += 1
-                if digests != o.info["digests"]:
-                    bad = [k for (k, a), (_, b) in zip(digests, o.info["digests"]) if a != b]
-                    t.mismatches.append(
-                        f"job {job.jid}: {o.transport} {job.mode} snap={o.snap} producer {o.producer} model {o.mid} "
-                        f"path {path}: {len(bad)} of {len(digests)} leaves differ from the producer's digests at "
-                        f"return, e.g. {bad[:3]}")
-            else:
-                _, kind, msg, path, _ = res
-                t.errors[kind] += 1
-                t.samples.setdefault(kind, f"job {job.jid} {o.transport} {job.mode} timeout {job.timeout}: {msg}")
-                if job.timeout < self.normal_timeout:
-                    t.faults["tiny_timeouts_failed"] += 1
-                gloo_failed |= o.transport == "gloo"
+                results, violations, counts = [("err", type(cause).__name__, str(cause)[:400], "?")], [], {}
+            t.mismatches.extend(f"consumer {ci}: {v}" for v in violations)
+            t.consumer_counts.update(counts)
+            for i, (o, res) in enumerate(zip(objs, results)):
+                gloo_failed |= self._check(o, job, res, retry=i > 0)
         return gloo_failed
+
+    def _check(self, o: Obj, job: Job, res: Tuple[Any, ...], retry: bool) -> bool:
+        """Count one fetch's result; compare what arrived with the producer's digests; whether it failed on gloo."""
+        t = self.tally
+        t.transfers += 1
+        tiny = job.timeout < self.normal_timeout and not retry
+        what = f"job {job.jid}{' (retry)' if retry else ''}: {o.transport} {job.mode}"
+        if tiny:
+            t.tiny[f"{o.transport}/{job.mode}", res[0]] += 1
+        if res[0] == "ok":
+            _, path, digests, nbytes = res
+            t.ok += 1
+            t.nbytes += nbytes
+            t.paths[path] += 1
+            if digests != o.info["digests"]:
+                bad = [k for (k, a), (_, b) in zip(digests, o.info["digests"]) if a != b]
+                t.mismatches.append(
+                    f"{what} snap={o.snap} producer {o.producer} model {o.mid} path {path}: {len(bad)} of "
+                    f"{len(digests)} leaves differ from the producer's digests at return, e.g. {bad[:3]}")
+            return False
+        _, kind, msg, path = res
+        t.errors[kind] += 1
+        t.samples.setdefault(kind, f"{what} timeout {job.timeout if not retry else self.normal_timeout}: {msg}")
+        if tiny:
+            t.faults["tiny_timeouts_failed"] += 1
+        return o.transport == "gloo"
 
     def _group_errored(self) -> bool:
         states = ray.get([a.group_state.remote(GROUP) for a in self.producers + self.consumers], timeout=120)
@@ -255,6 +312,9 @@ class Soak:
 
     def finish(self) -> Dict[str, Any]:
         """Final re-checks in every consumer; counters from every actor; the actors and group torn down."""
+        time.sleep(STOP_S)
+        for pid in self.pids:  # no producer is left stopped
+            os.kill(pid, signal.SIGCONT)
         wait_s = 2 * self.normal_timeout + 1
         finals = ray.get([c.final.remote(wait_s) for c in self.consumers], timeout=wait_s + 120)
         for ci, (violations, _) in enumerate(finals):
@@ -267,7 +327,8 @@ class Soak:
             counts["relay_joined"] += r["stats"]["relay"]["joined"]
         for _, final in finals:
             counts["relay_fallbacks"] += final["stats"]["relay"]["fallbacks"]
-            counts.update(final["counts"])
+            self.tally.consumer_counts.update(final["counts"])
+        counts.update(self.tally.consumer_counts)
         rdt.destroy_collective_group(self.group, timeout=60)
         for a in self.producers + self.consumers:
             ray.kill(a)
@@ -280,6 +341,7 @@ def run_soak(seed: int, transfers: int, seconds: float, normal_timeout: float, f
     ``kill_every`` waves after it."""
     t0 = time.monotonic()
     soak = Soak(seed, 2, n_consumers, normal_timeout)
+    soak.progress = transfers > 1000
     soak.tally.phases["setup"] += time.monotonic() - t0
     t1 = time.monotonic()
     while soak.tally.transfers < transfers and time.monotonic() - t1 < seconds:
@@ -294,6 +356,7 @@ def run_soak(seed: int, transfers: int, seconds: float, normal_timeout: float, f
 def _report(tally: Tally, counts: Dict[str, Any], seed: int, seconds: float) -> str:
     extra = (f" into={{failed {counts.get('into_failed', 0)}, re-checked after 2x timeout "
              f"{counts.get('into_failed_rechecked', 0)}, NIXL in flight {counts.get('into_in_flight', 0)}, "
+             f"retried at once {counts.get('retries', 0)}, retries re-checked {counts.get('rechecked_after_retry', 0)}, "
              f"target sets checked {counts.get('sets_checked', 0)}}}"
              f" producer={{snapshot/live changes {counts.get('mutations', 0)}, frees {counts.get('frees', 0)}, "
              f"wait_tensor_freed ok {counts.get('wait_freed_ok', 0)} / in use {counts.get('in_use', 0)}}} "
