@@ -489,10 +489,10 @@ class SoakConsumer:
         rng = random.Random(job.jid)
         s = self._targets(job.key, rng) if job.mode == "into" else None
         out = [self._one(refs[0], s, job, job.timeout, rng)]
-        if s is not None and out[0][0] == "err" and s.check_at_ready:  # twice its timeout later: unchanged
-            time.sleep(max(0.0, s.ready_at - time.monotonic()))
-            self.sweep()
         if s is not None and out[0][0] == "err" and len(refs) > 1:
+            if s.check_at_ready:  # twice its timeout later, unchanged (else: when the set is next used, or at the end)
+                time.sleep(max(0.0, s.ready_at - time.monotonic()))
+                self.sweep()
             self.counts["retries"] += 1
             out.append(self._one(refs[1], s, job, self.normal_timeout, rng, after=job.timeout))
         return out, self._take_violations(), self._counts()
