@@ -248,6 +248,8 @@ class RecvOp(P2POp):
     """Header (maybe with the payload), check it, answer; the payload lands in the user's tensor."""
 
     kind = "recv"
+    data_req: Optional[Any] = None  # until begin(): an op that fails before it (its peer already gone) finishes
+    ack: Optional[Any] = None
 
     def withdraw(self, error: BaseException) -> bool:
         """A receive that has not answered the header ends and tells the sender (CANCEL); after its ACK the
@@ -260,13 +262,13 @@ class RecvOp(P2POp):
         return True
 
     def begin(self) -> None:
+        self.data_req: Optional[Any] = None
+        self.ack: Optional[Any] = None  # the ACK of a payload that came inline (or of an empty one)
         self.spare = self.backend._take_buffer(CTL.size + INLINE_MAX)
         self.head = self.spare[0]
         self.head[:CTL.size] = _NO_HEADER  # a reused buffer: a message too short for a header must not parse as one
         self.head_req = self.backend._raw_recv(self.state, self.head, HDR_TAG | self.tag, self.spare[1])
         self.buffers.append(self.spare)
-        self.data_req: Optional[Any] = None
-        self.ack: Optional[Any] = None  # the ACK of a payload that came inline (or of an empty one)
         self.reqs = [self.head_req]
 
     def requests(self) -> List[Any]:
