@@ -336,15 +336,17 @@ class Soak:
 
 
 def run_soak(seed: int, transfers: int, seconds: float, normal_timeout: float, first_kill: int, kill_every: int,
-             n_consumers: int = 3) -> Tuple[Tally, Dict[str, Any], float]:
-    """Waves until ``transfers`` fetches or ``seconds`` passed; a consumer killed in wave ``first_kill`` and every
-    ``kill_every`` waves after it."""
+             n_consumers: int = 3, covered: Any = None, max_waves: int = 0) -> Tuple[Tally, Dict[str, Any], float]:
+    """Waves until ``transfers`` fetches or ``seconds`` passed, and beyond that (up to ``max_waves``) until
+    ``covered(tally)`` holds, so that a slow machine still serves every path; a consumer killed in wave
+    ``first_kill`` and every ``kill_every`` waves after it."""
     t0 = time.monotonic()
     soak = Soak(seed, 2, n_consumers, normal_timeout)
     soak.progress = transfers > 1000
     soak.tally.phases["setup"] += time.monotonic() - t0
     t1 = time.monotonic()
-    while soak.tally.transfers < transfers and time.monotonic() - t1 < seconds:
+    while (soak.tally.transfers < transfers and time.monotonic() - t1 < seconds) or \
+            (covered is not None and not covered(soak.tally) and soak.tally.waves < max_waves):
         w = soak.tally.waves - first_kill
         soak.wave(kill=w >= 0 and w % kill_every == 0)
     t2 = time.monotonic()
@@ -374,12 +376,17 @@ def _report(tally: Tally, counts: Dict[str, Any], seed: int, seconds: float) -> 
     return line
 
 
+def _all_paths_served(tally: Tally) -> bool:
+    return CPU_PATHS <= {p for path in tally.paths for p in path.split("+")}
+
+
 @pytest.mark.timeout(240)
 def test_soak_short(ray_cluster):
     """CI: a few seconds of waves, one killed consumer; every CPU path served at least once; no mismatch."""
     seed = int(os.environ.get("RDT_SOAK_SEED", 29))
     tally, counts, seconds = run_soak(seed, transfers=400, seconds=float(os.environ.get("RDT_SOAK_CI_S", 10)),
-                                      normal_timeout=6.0, first_kill=1, kill_every=1000)
+                                      normal_timeout=6.0, first_kill=1, kill_every=1000, covered=_all_paths_served,
+                                      max_waves=16)
     _report(tally, counts, seed, seconds)
     assert tally.mismatches == [], tally.mismatches[:20]
     assert tally.faults["consumer_kills"] >= 1 and tally.faults["tiny_timeouts"] >= 1
