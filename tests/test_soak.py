@@ -338,7 +338,7 @@ class Soak:
 def run_soak(seed: int, transfers: int, seconds: float, normal_timeout: float, first_kill: int, kill_every: int,
              n_consumers: int = 3, covered: Any = None, max_waves: int = 0) -> Tuple[Tally, Dict[str, Any], float]:
     """Waves until ``transfers`` fetches or ``seconds`` passed, and beyond that (up to ``max_waves``) until
-    ``covered(tally)`` holds, so that a slow machine still serves every path; a consumer killed in wave
+    ``covered(soak)`` holds, so that a slow machine still serves every path; a consumer killed in wave
     ``first_kill`` and every ``kill_every`` waves after it."""
     t0 = time.monotonic()
     soak = Soak(seed, 2, n_consumers, normal_timeout)
@@ -346,7 +346,7 @@ def run_soak(seed: int, transfers: int, seconds: float, normal_timeout: float, f
     soak.tally.phases["setup"] += time.monotonic() - t0
     t1 = time.monotonic()
     while (soak.tally.transfers < transfers and time.monotonic() - t1 < seconds) or \
-            (covered is not None and not covered(soak.tally) and soak.tally.waves < max_waves):
+            (covered is not None and not covered(soak) and soak.tally.waves < max_waves):
         w = soak.tally.waves - first_kill
         soak.wave(kill=w >= 0 and w % kill_every == 0)
     t2 = time.monotonic()
@@ -376,8 +376,10 @@ def _report(tally: Tally, counts: Dict[str, Any], seed: int, seconds: float) -> 
     return line
 
 
-def _all_paths_served(tally: Tally) -> bool:
-    return CPU_PATHS <= {p for path in tally.paths for p in path.split("+")}
+def _all_paths_served(soak: "Soak") -> bool:
+    """Every CPU path served, and at least one consumer chained behind another (the relay)."""
+    served = {p for path in soak.tally.paths for p in path.split("+")}
+    return CPU_PATHS <= served and sum(rdt.stats(p)["relay"]["joined"] for p in soak.producers) > 0
 
 
 @pytest.mark.timeout(240)
