@@ -22,6 +22,7 @@ import torch
 import rdt_transports as rt
 
 from . import _collective_cases as cc
+from .test_p2p_checks import pair  # noqa: F401 - the module's two collective workers
 from .conftest import HAS_NIXL, HAS_UCXX
 
 GROUPS, ROUNDS_PER_GROUP = 4, 5
@@ -32,13 +33,6 @@ P2P_CASES: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = (
     ((), torch.float32), ((), torch.int64), ((0,), torch.float32), ((0, 3), torch.float64), ((0,), torch.int64))
 
 
-@pytest.fixture(scope="module")
-def pair(ray_cluster):
-    actors = [cc.CollectiveWorker.remote() for _ in range(2)]
-    ray.get([a.ping.remote() for a in actors], timeout=120)
-    yield actors
-    for a in actors:
-        ray.kill(a)
 
 
 def _hog() -> subprocess.Popen:
