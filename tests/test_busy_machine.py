@@ -21,7 +21,6 @@ import torch
 
 import rdt_transports as rt
 
-from . import _collective_cases as cc
 from .test_p2p_checks import pair  # noqa: F401 - the module's two collective workers
 from .conftest import HAS_NIXL, HAS_UCXX
 
