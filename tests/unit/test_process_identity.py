@@ -99,7 +99,7 @@ def test_a_cma_denial_is_forgotten_once_its_process_is_gone(child) -> None:
 
 @pytest.mark.skipif(not _cma.supported(), reason="no process_vm_readv in this libc")
 def test_a_shared_storage_of_a_process_by_a_reused_pid_is_not_mapped() -> None:
-    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0)
+    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0, max_bytes=8 << 30)
     shared = torch.arange(4096, dtype=torch.float32).share_memory_()
     info = _shm_map.describe(_shm_map.spans_of([shared]))
     assert info is not None
@@ -132,7 +132,7 @@ def test_the_mappings_of_a_dead_producer_are_dropped_at_the_next_trim() -> None:
         assert proc.stdout is not None
         info = pickle.loads(bytes.fromhex(proc.stdout.readline().strip()))
         who = identity(proc.pid)
-        reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0)
+        reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0, max_bytes=8 << 30)
         out = torch.empty(1 << 18, dtype=torch.uint8)
         reader.read(who[0], info, [out.data_ptr()], [1 << 18], started=who[1])
         assert torch.equal(out.view(torch.float32), torch.arange(1 << 16, dtype=torch.float32))

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not _cma.supported(), reason="no process_vm_read
 
 
 def _reader(threads: int = 2, ttl: float = 30.0) -> _shm_map.MapReader:
-    return _shm_map.MapReader(_cma.CmaReader(threads).spread, ttl)
+    return _shm_map.MapReader(_cma.CmaReader(threads).spread, ttl, max_bytes=8 << 30)
 
 
 def _read(reader: _shm_map.MapReader, info: _shm_map.MapInfo, bufs: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -130,7 +130,7 @@ def test_mappings_stay_flat_an_unused_one_goes_after_the_ttl_and_a_freed_one_at_
 
 
 def test_the_cap_unmaps_the_least_recently_used():
-    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0, max_maps=3)
+    reader = _shm_map.MapReader(_cma.CmaReader(1).spread, 30.0, max_bytes=8 << 30, max_maps=3)
     tensors = [torch.full((256,), float(i)).share_memory_() for i in range(5)]
     for t in tensors:
         _read(reader, _describe([t]), [t])  # type: ignore[arg-type]

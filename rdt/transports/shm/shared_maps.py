@@ -32,7 +32,6 @@ from rdt_transports._proc import process_alive, start_time
 
 Part = Tuple[int, int, int]  # (destination address, source address, bytes)
 
-MAX_BYTES = 8 << 30  # mapped bytes kept at most by default (the context passes RdtConfig.shm_map_bytes)
 
 
 class MapError(OSError):
@@ -193,8 +192,9 @@ class MapReader:
     """
 
     def __init__(self, spread: Callable[[Sequence[Part], Callable[[Sequence[Part]], None]], None], ttl: float,
-                 max_maps: int = 4096, max_bytes: int = MAX_BYTES) -> None:
-        """``spread(parts, fn)`` runs ``fn`` over the parts split across threads (``CmaReader.spread``)."""
+                 max_bytes: int, max_maps: int = 4096) -> None:
+        """``spread(parts, fn)`` runs ``fn`` over the parts split across threads (``CmaReader.spread``); ``max_bytes``
+        is the process's ``RdtConfig.shm_map_bytes``."""
         self._spread = spread
         self.ttl = ttl
         self.max_maps = max_maps
