@@ -89,6 +89,10 @@ class WeightLoader:
         if not -max(target.dim(), 1) <= dim < max(target.dim(), 1):
             raise InvalidArgumentError(f"target {label!r}: dim {dim} is outside its {target.dim()} dimensions",
                                        hint="concatenate along a dimension the target has")
+        for w in self._wants:
+            if _overlap(w.target, target):
+                raise InvalidArgumentError(f"target {label!r} overlaps the bytes of target {w.name!r}",
+                                           hint="give every want its own tensor (or disjoint views of one)")
         self._wants.append(_Want(label, target, regs, dim % max(target.dim(), 1), bool(cast)))
         self._plan = None
 
@@ -104,6 +108,8 @@ class WeightLoader:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
                                        hint="pass e.g. timeout=60.0")
+        if not isinstance(verify, bool):
+            raise InvalidArgumentError(f"verify must be True or False, got {verify!r}", hint="pass verify=True")
         start = time.monotonic()
         deadline = start + timeout
         _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
@@ -128,6 +134,12 @@ class WeightLoader:
                 w.target.copy_(w.landing)
         report.seconds = time.monotonic() - start
         return report
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _make_plan(wants: List[_Want], manifest: Manifest) -> List[_Pulls]:
