@@ -35,14 +35,18 @@ class Trainer:
         self.rank = rank
         self.rows = {n: s[0] // TRAINERS for n, s in SHAPES.items()}  # Shard(0): this rank's rows
         self.shards = {n: full(n, 0)[rank * r:(rank + 1) * r].clone() for n, r in self.rows.items()}
+        self.published = None
 
     def train_step(self) -> None:
+        self.published.fence(timeout=30.0)  # engines still reading the last version finish first; later ones fail
         for t in self.shards.values():
             t.add_(1.0)  # the optimizer, in place
 
     def publish(self, step: int) -> rdt.Shards:
         layouts = {n: rdt.Layout(SHAPES[n], (self.rank * r, 0)) for n, r in self.rows.items()}
-        return rdt.put_shards(self.shards, version=step, layouts=layouts, rank=self.rank, tensor_transport="shm")
+        self.published = rdt.put_shards(self.shards, version=step, layouts=layouts, rank=self.rank,
+                                        tensor_transport="shm")
+        return self.published
 
 
 @ray.remote

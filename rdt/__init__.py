@@ -37,6 +37,9 @@ from .errors import (
     TensorInUseError,
     TransferTimeoutError,
     UnsupportedError,
+    VersionGoneError,
+    FenceTimeoutError,
+    ChecksumMismatchError,
 )
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "LoadReport", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
     "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
+    "VersionGoneError", "FenceTimeoutError", "ChecksumMismatchError",
 ]
 
 

@@ -24,6 +24,9 @@ from rdt_transports.errors import (  # noqa: F401
     TensorMismatchError,
     TransferTimeoutError,
     UnsupportedError,
+    VersionGoneError,
+    FenceTimeoutError,
+    ChecksumMismatchError,
 )
 
 __all__ = [
@@ -31,4 +34,5 @@ __all__ = [
     "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError", "BackendUnavailableError", "GroupError",
     "GroupNotFoundError", "GroupExistsError", "GroupErroredError", "GroupDestroyedError", "CommunicationError",
     "CollectiveTimeoutError", "PeerUnavailableError", "TensorMismatchError", "AuthenticationError",
+    "VersionGoneError", "FenceTimeoutError", "ChecksumMismatchError",
 ]

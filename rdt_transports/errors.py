@@ -153,3 +153,18 @@ class TensorInUseError(ObjectError, TimeoutError):
 
 class NoCollectiveGroupError(ObjectError, ValueError):
     """A collective transport was asked for but no group contains both producer and consumer."""
+
+
+class VersionGoneError(ObjectError):
+    """A sharded load asked for a version its producer no longer serves (fenced before an in-place update,
+    superseded by a newer publication, or dropped from the kept versions); ``version`` and ``rank`` name it."""
+
+
+class FenceTimeoutError(TensorInUseError):
+    """``Shards.fence`` timed out: readers of the version were still in flight (``readers`` names them). The version
+    is gone all the same: those readers fail with :class:`VersionGoneError` rather than return bytes of the update."""
+
+
+class ChecksumMismatchError(ObjectFetchError):
+    """A sharded load with ``verify=True`` landed bytes whose checksum differs from the producer's (``param`` and
+    ``rank`` name where)."""

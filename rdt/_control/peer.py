@@ -13,7 +13,7 @@ from rdt_transports._proc import process_alive
 from . import wire as _control
 from .._objects.meta import ObjectMeta
 from .._ray.runtime import node_id
-from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError
+from ..errors import ObjectFetchError, ObjectFreedError, ProducerDiedError, VersionGoneError
 
 
 def probe(ctx: Any, meta: ObjectMeta, ping_timeout: float = 2.0) -> Tuple[str, str]:
@@ -98,4 +98,9 @@ def control_request(ctx: Any, meta: ObjectMeta, msg: int, key_id: int, key: byte
     text = resp[2:].decode(errors="replace")
     if code == _control.ERR_NOT_FOUND:
         raise freed(meta, f"is gone from its producer: {text}")
+    if code == _control.ERR_VERSION_GONE:
+        gone = VersionGoneError(f"{meta.describe()} is a version its producer no longer serves: {text}",
+                                object_id=meta.id_hex, hint="load the newest manifest")
+        gone.reason = text
+        raise gone
     raise ObjectFetchError(f"the producer refused to serve {meta.describe()}: {text}", object_id=meta.id_hex)

@@ -30,9 +30,15 @@ _CHUNK = 4 << 20  # bytes per socket call when streaming an object's bytes
 # transports serving one number.
 REQ_PING = 4
 REQ_STATS = 6  # answer: the process's rdt.stats() as UTF-8 JSON
+# Sharded weight sync's reads of a published version (rdt._process.versions): a reader registers before it reads
+# and ends after, so that the producer's fence waits for it; checksums of a planned range set (verify=True).
+REQ_READ_BEGIN = 60  # payload: obj_id(16) version(u64) reader(16) wait_ms(u32) who(utf-8)
+REQ_READ_END = 61  # payload: obj_id(16) reader(16); answer: held(u8): 1 when the version held through the read
+REQ_RANGE_SUMS = 62  # payload: obj_id(16) plan_key(16) n(u32) [group u32*n buf u32*n off u64*n len u64*n];
+#   answer: 0(u8) when n was 0 and the plan key is unknown (send the ranges), else 1(u8) then the checksums
 RESP_OK = 100
 RESP_ERR = 101  # payload: code(u16) utf-8 message
-CORE_MESSAGES = (REQ_PING, REQ_STATS, RESP_OK, RESP_ERR)
+CORE_MESSAGES = (REQ_PING, REQ_STATS, REQ_READ_BEGIN, REQ_READ_END, REQ_RANGE_SUMS, RESP_OK, RESP_ERR)
 USER_MESSAGES_FROM = 128  # message types are one byte: 128..255 are left to users' transports
 
 KEY_PROCESS = 0
@@ -43,6 +49,7 @@ ERR_NOT_FOUND = 1
 ERR_BAD_REQUEST = 2
 ERR_INTERNAL = 3
 ERR_NO_GROUP = 4
+ERR_VERSION_GONE = 20  # the published version is gone (fenced, superseded, no longer kept)
 
 
 class ProtocolError(Exception):

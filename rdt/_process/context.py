@@ -35,6 +35,7 @@ from ..transports.recv_buffers import BufferPool
 from .config import RdtConfig
 from .stats import Stats, local_stats, publish, unpublish
 from .tokens import TokenPool
+from .versions import Versions
 
 logger = logging.getLogger("rdt")
 
@@ -66,6 +67,8 @@ class RdtContext:
         self.stream_discipline = _ready.Discipline()
         # into= target bytes that a failed transfer may still write (a parked NIXL READ); rdt.get(into=) waits
         self.busy_targets = BusyTargets()
+        # rdt.put_shards publications and the sharded reads in flight on them (fences, kept copies, checksums)
+        self.versions = Versions(self._held_buffers, self.table.free)
         self.fetch_cache: Dict[Any, Any] = {}
         self.deferring = threading.local()  # .on: ray.get in this thread returns ObjectMeta unresolved (rdt.get)
         self.batching = threading.local()  # .batch: Ray deserializes several objects here; fetches start at once
@@ -131,6 +134,10 @@ class RdtContext:
             _control.REQ_STATS: _keyed((_control.KEY_PROCESS, _control.KEY_STATS),
                                        lambda _k, _p: (_control.RESP_OK, json.dumps(local_stats(self)).encode())),
         }
+        for msg, handle in ((_control.REQ_READ_BEGIN, self.versions.handle_begin),
+                            (_control.REQ_READ_END, self.versions.handle_end),
+                            (_control.REQ_RANGE_SUMS, self.versions.handle_sums)):
+            handlers[msg] = _keyed((_control.KEY_PROCESS,), lambda _k, p, h=handle: h(p))
         for msg, (_name, (handler, keys)) in transports.served().items():  # two handlers for one number: refused
             handlers[msg] = _keyed(keys, lambda k, p, h=handler: h(self, k, p))
         return handlers
@@ -201,7 +208,12 @@ class RdtContext:
         except Exception:  # never let an exception reach Ray's thread
             logger.exception("rdt: freeing %s failed", obj_id.hex())
 
+    def _held_buffers(self, obj_id: bytes) -> Optional[List[Any]]:
+        entry = self.table.get(obj_id)
+        return None if entry is None else entry.buffers
+
     def _release(self, entry: Entry) -> None:
+        self.versions.forget(entry.obj_id)
         for t in transports.loaded():
             try:
                 t.release(self, entry)

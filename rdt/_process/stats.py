@@ -64,6 +64,8 @@ def local_stats(ctx: Any) -> Dict[str, Any]:
         "control_rejected": ctx.control_rejected(),
         # storages kept exported for live objects (NIXL registrations, CUDA IPC shares), per transport
         "exported_storages": {t.name: t.exported(ctx) for t in transports.known()},
+        # rdt.put_shards publications held here, reads in flight on them, bytes of kept copies (keep_versions)
+        "sharded": ctx.versions.stats(),
     }
     for t in transports.known():
         out.update(t.stats(ctx))

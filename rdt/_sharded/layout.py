@@ -50,7 +50,11 @@ class Region:
                                            f"{nd} dimensions (global shape {tuple(shape)})",
                                            hint="narrow along a dimension the parameter has")
             dim %= nd
-            n = shape[dim] - start if length is None else length
+            if not _is_int(start) or not (length is None or _is_int(length)):
+                raise InvalidArgumentError(f"target {target!r}: {self.param!r} narrowed along dim {dim} with start "
+                                           f"{start!r} and length {length!r}", hint="narrow with int start and length")
+            start = int(start)
+            n = shape[dim] - start if length is None else int(length)
             if start < 0 or n <= 0 or start + n > shape[dim]:
                 raise InvalidArgumentError(
                     f"target {target!r}: {self.param!r} narrowed along dim {dim} to [{start}, {start + n}) is outside "
@@ -61,6 +65,10 @@ class Region:
                                            "not nest", hint="narrow each dimension once")
             out[dim] = (start, start + n)
         return tuple(out)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def box_of(start: Sequence[int], shape: Sequence[int]) -> Box:

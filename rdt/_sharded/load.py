@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ import torch
 from .._objects.meta import ObjectMeta
 from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
                       TransferTimeoutError)
+from . import reads
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
 
@@ -48,13 +49,17 @@ class _Pulls:
 class LoadReport:
     """What one ``load`` did: the version, whether it made a new plan (False: replayed), the bytes that landed,
     the path that served each producer rank ("shm-direct", "nixl"; "whole:<label>" where the rank's shards were
-    fetched whole and narrowed here), and the seconds it took."""
+    fetched whole and narrowed here), and the seconds it took. With ``verify=True``: the bytes checked against the
+    producers' checksums and the seconds the checks took, summed over the ranks (they run in parallel, each after
+    its rank's read)."""
 
     version: int
     planned: bool
     nbytes: int
     paths: Dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
+    verified_bytes: int = 0
+    verify_seconds: float = 0.0
 
 
 class WeightLoader:
@@ -84,18 +89,27 @@ class WeightLoader:
         if not -max(target.dim(), 1) <= dim < max(target.dim(), 1):
             raise InvalidArgumentError(f"target {label!r}: dim {dim} is outside its {target.dim()} dimensions",
                                        hint="concatenate along a dimension the target has")
+        for w in self._wants:
+            if _overlap(w.target, target):
+                raise InvalidArgumentError(f"target {label!r} overlaps the bytes of target {w.name!r}",
+                                           hint="give every want its own tensor (or disjoint views of one)")
         self._wants.append(_Want(label, target, regs, dim % max(target.dim(), 1), bool(cast)))
         self._plan = None
 
-    def load(self, manifest: Manifest, *, timeout: float = 60.0) -> LoadReport:
+    def load(self, manifest: Manifest, *, timeout: float = 60.0, verify: bool = False) -> LoadReport:
         """Pull every want's bytes of ``manifest``'s version into the targets. Everything is checked before a byte
-        moves; a rank that died raises ProducerDiedError naming it. The targets hold the new version on return."""
+        moves, each producer rank's read included: a version that is gone raises VersionGoneError, a rank that
+        died ProducerDiedError, naming it. The targets hold that version on return, never torn bytes (a read the
+        version did not hold through raises VersionGoneError). ``verify=True`` checks the landed bytes against
+        the producers' checksums (ChecksumMismatchError names the parameter and rank)."""
         if not isinstance(manifest, Manifest):
             raise InvalidArgumentError(f"load takes an rdt.Manifest, got {type(manifest).__name__}",
                                        hint="rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
                                        hint="pass e.g. timeout=60.0")
+        if not isinstance(verify, bool):
+            raise InvalidArgumentError(f"verify must be True or False, got {verify!r}", hint="pass verify=True")
         start = time.monotonic()
         deadline = start + timeout
         _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
@@ -110,25 +124,22 @@ class WeightLoader:
         addrs = np.array([(w.landing if w.landing is not None else w.target).data_ptr() for w in self._wants],
                          dtype=np.uint64)
         keep = [w.landing if w.landing is not None else w.target for w in self._wants]
-        paths: Dict[int, str] = {}
-        if len(pulls) == 1:
-            paths[pulls[0].rank] = _pull(by_rank[pulls[0].rank], pulls[0], addrs, keep, deadline)
-        elif pulls:
-            with ThreadPoolExecutor(min(MAX_PARALLEL, len(pulls)), thread_name_prefix="rdt-shards") as pool:
-                futures = {p.rank: pool.submit(_pull, by_rank[p.rank], p, addrs, keep, deadline) for p in pulls}
-                errors = []
-                for rank, f in futures.items():
-                    try:
-                        paths[rank] = f.result()
-                    except BaseException as e:  # noqa: BLE001 - every read ends before the first error is raised
-                        errors.append(e)
-                if errors:
-                    raise errors[0]
+        report = LoadReport(manifest.version, planned, int(sum(int(p.n.sum()) for p in pulls)))
+        check = verify_with([w.name for w in self._wants], keep, deadline) if verify else None
+        with ThreadPoolExecutor(max(min(MAX_PARALLEL, len(pulls)), 1), thread_name_prefix="rdt-shards") as pool:
+            _read_all(pool, pulls, by_rank, lambda p: _pull(by_rank[p.rank], p, addrs, keep, deadline, check),
+                      deadline, report)
         for w in self._wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
-        nbytes = int(sum(int(p.n.sum()) for p in pulls))
-        return LoadReport(manifest.version, planned, nbytes, paths, time.monotonic() - start)
+        report.seconds = time.monotonic() - start
+        return report
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _make_plan(wants: List[_Want], manifest: Manifest) -> List[_Pulls]:
@@ -244,7 +255,87 @@ def _targets_free(targets: List[torch.Tensor], timeout: float) -> None:
                  "dies (kill a stuck trainer and it ends at once, leaving the targets free)")
 
 
-def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float) -> str:
+def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, Shards],
+              read: Callable[[_Pulls], Tuple[str, int, float]], deadline: float, report: LoadReport) -> None:
+    """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
+    moves), read all ranks at once, then end every registered read; a read its version did not hold through
+    (the producer updated the weights meanwhile) fails with VersionGoneError."""
+    from .._process.context import get_context
+
+    ctx = get_context()
+    readers, errors = _each(pool, pulls, lambda p: reads.begin(ctx, by_rank[p.rank], deadline))
+    if not errors:
+        done, errors = _each(pool, pulls, read)
+        for rank, (label, checked, seconds) in done.items():
+            report.paths[rank] = label
+            report.verified_bytes += checked
+            report.verify_seconds += seconds
+    # A failed load still ends its reads (bounded, best effort): the producer's fence stops waiting for them.
+    end_by = max(deadline, time.monotonic() + 1.0) if not errors else time.monotonic() + 0.5
+    began = [p for p in pulls if p.rank in readers]
+    held, end_errors = _each(pool, began, lambda p: reads.end(ctx, by_rank[p.rank], readers[p.rank], end_by))
+    if errors or end_errors:
+        raise (errors or end_errors)[0]
+    torn = [rank for rank, ok in sorted(held.items()) if not ok]
+    if torn:
+        raise reads.gone(by_rank[torn[0]], "the producer updated it while this load read it (its fence gave up "
+                         "waiting, or a newer version superseded it); the targets may hold torn bytes")
+
+
+def _each(pool: ThreadPoolExecutor, pulls: List[_Pulls], fn: Callable[[_Pulls], Any]
+          ) -> Tuple[Dict[int, Any], List[BaseException]]:
+    """``fn`` of every rank's pulls at once: results by rank, and the errors in rank order (all have ended)."""
+    if len(pulls) == 1:
+        try:
+            return {pulls[0].rank: fn(pulls[0])}, []
+        except Exception as e:  # noqa: BLE001 - returned to the caller, which raises it
+            return {}, [e]
+    futures = {p.rank: pool.submit(fn, p) for p in pulls}
+    out: Dict[int, Any] = {}
+    errors: List[BaseException] = []
+    for rank, f in futures.items():
+        try:
+            out[rank] = f.result()
+        except Exception as e:  # noqa: BLE001 - every call ends before the first error is raised
+            errors.append(e)
+    return out, errors
+
+
+def verify_with(names: List[str], keep: List[torch.Tensor], deadline: float) -> Callable[..., int]:
+    """The check run after a rank's read when ``verify=True``: its landed bytes against the producer's sums."""
+    from .._process.context import get_context
+
+    landed = reads.landed_bytes(keep)
+
+    def check(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray) -> int:
+        return reads.verify(get_context(), shards, pulls.leaf, buf, off, pulls.n, landed, pulls.target, pulls.dst,
+                            names, deadline)
+
+    return check
+
+
+def _sources(meta: ObjectMeta, pulls: _Pulls) -> Tuple[np.ndarray, np.ndarray]:
+    """Per run, the producer buffer it is read from and the byte offset in that buffer."""
+    specs = meta.specs
+    buf = np.array([specs[i].buffer for i in range(len(specs))], np.int64)
+    base = np.array([specs[i].offset * torch.empty((), dtype=getattr(torch, specs[i].dtype)).element_size()
+                     for i in range(len(specs))], np.int64)
+    return buf[pulls.leaf], base[pulls.leaf] + pulls.src
+
+
+def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float,
+          check: Optional[Callable[..., int]] = None) -> Tuple[str, int, float]:
+    """Land one rank's runs, then check them when asked: (label of the path that served, bytes checked, seconds
+    the check took). Errors name the rank."""
+    label = _land(shards, pulls, addrs, keep, deadline)
+    if check is None or label == "whole:inline":  # inline: the bytes are the manifest's own copy
+        return label, 0, 0.0
+    t0 = time.monotonic()
+    checked = check(shards, pulls, *_sources(shards.meta, pulls))
+    return label, checked, time.monotonic() - t0
+
+
+def _land(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float) -> str:
     """Land one rank's runs; the label of the path that served. Errors name the rank."""
     from .. import transports
     from .._process.context import get_context
@@ -252,12 +343,8 @@ def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Ten
 
     meta: ObjectMeta = shards.meta
     ctx = get_context()
-    specs = meta.specs
-    buf = np.array([specs[i].buffer for i in range(len(specs))], np.int64)
-    base = np.array([specs[i].offset * torch.empty((), dtype=getattr(torch, specs[i].dtype)).element_size()
-                     for i in range(len(specs))], np.int64)
-    ranges = transports.Ranges(buf[pulls.leaf], base[pulls.leaf] + pulls.src,
-                               addrs[pulls.target] + pulls.dst.astype(np.uint64), pulls.n,
+    buf, off = _sources(meta, pulls)
+    ranges = transports.Ranges(buf, off, addrs[pulls.target] + pulls.dst.astype(np.uint64), pulls.n,
                                [keep[i] for i in sorted(set(pulls.target.tolist()))])
     same_node = meta.producer.node_id == node_id()
     names = [n for n, _ in meta.exports]

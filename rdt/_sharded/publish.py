@@ -28,30 +28,53 @@ class ParamInfo:
 class Shards:
     """What one producer rank published for one version: its parameters' layouts and the rdt object holding the
     local shards. Small and picklable; pickling it anywhere never fetches the tensors (they move only when a
-    :class:`~rdt.WeightLoader` pulls the ranges it needs). Holding it keeps the shards alive in the producer."""
+    :class:`~rdt.WeightLoader` pulls the ranges it needs). Holding it keeps the shards alive in the producer.
+    ``kept_bytes``: the bytes of the copy this publication keeps (``keep_versions``), 0 when it reads the live
+    weights."""
 
-    def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any) -> None:
+    def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any,
+                 kept_bytes: int = 0) -> None:
         self.rank = rank
         self.version = version
         self.params = params
         self.meta = meta  # ObjectMeta of {name: local shard}, or None when there was nothing to hold
+        self.kept_bytes = kept_bytes
         self.layout_key = hashlib.blake2b(repr(params).encode(), digest_size=16).digest()
+
+    def fence(self, *, timeout: float = 60.0) -> None:
+        """In the producer, before updating the published weights in place: no new reader of this version is let
+        in, and this waits until the readers in flight are done; from then on a reader gets VersionGoneError.
+        A kept copy (``keep_versions``) is not fenced. FenceTimeoutError names the readers still in flight after
+        ``timeout`` (the version is gone all the same: they fail rather than return bytes of the update)."""
+        from .._api.tensor_method import _check_timeout
+        from .._process.context import get_context
+
+        seconds = _check_timeout(timeout)
+        if self.meta is None:
+            return
+        ctx = get_context()
+        if not ctx.is_me(self.meta.producer):
+            raise InvalidArgumentError(
+                f"{self!r} was published by another process (pid {self.meta.producer.pid}); a fence runs where the "
+                "weights are", hint="call shards.fence() in the trainer actor that called rdt.put_shards")
+        ctx.versions.fence(self.meta.obj_id, self.rank, self.version, 60.0 if seconds is None else seconds)
 
     def __reduce__(self) -> Any:
         meta = None if self.meta is None else self.meta.__dict__.copy()
-        return (_load_shards, (self.rank, self.version, self.params, meta))
+        return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes))
 
     def __repr__(self) -> str:
         return f"Shards(rank={self.rank}, version={self.version}, {len(self.params)} params)"
 
 
-def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict]) -> Shards:
+def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict],
+                 kept_bytes: int = 0) -> Shards:
     """Unpickle without handing the metadata to rdt's consumer (which would fetch the shards whole)."""
     meta = None
     if meta_state is not None:
         meta = ObjectMeta.__new__(ObjectMeta)
         object.__setattr__(meta, "__dict__", meta_state)
-    return Shards(rank, version, params, meta)
+    return Shards(rank, version, params, meta, kept_bytes)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -77,17 +100,25 @@ def _plain_layout(name: str, t: torch.Tensor, layout: Any) -> Tuple[torch.Tensor
 
 def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapping[str, Layout]] = None,
                rank: Optional[int] = None, tensor_transport: str = "auto",
-               timeout: Optional[float] = None) -> Shards:
+               timeout: Optional[float] = None, keep_versions: int = 0) -> Shards:
     """Inside an actor: publish this rank's local shards of ``state`` ({name: DTensor or plain tensor}) as
     ``version``. A DTensor's layout is read from its placements (``Shard(d)``, ``Replicate``, uneven last shards;
     ``Partial`` is refused); a plain tensor needs ``layouts[name]``. Returns the :class:`Shards` the driver gathers
-    into a :class:`Manifest`. A non-contiguous local shard is published as a contiguous copy."""
+    into a :class:`Manifest`. A non-contiguous local shard is published as a contiguous copy.
+
+    By default the publication reads the live weights: call ``shards.fence()`` before updating them in place
+    (publishing another version of the same parameters from this rank without one makes the older version gone).
+    ``keep_versions=N`` publishes a copy instead and keeps the copies of this rank's newest N such versions
+    readable while the weights change (N x the shard, ``Shards.kept_bytes``)."""
     from .._api.tensor_method import _check_timeout, _check_transport
 
     transport = _check_transport(tensor_transport)
     seconds = _check_timeout(timeout)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise InvalidArgumentError(f"version must be an int >= 0, got {version!r}", hint="pass version=step")
+    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 0:
+        raise InvalidArgumentError(f"keep_versions must be an int >= 0, got {keep_versions!r}",
+                                   hint="pass keep_versions=2 to keep copies of the newest two versions")
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise InvalidArgumentError("put_shards takes a mapping of parameter names to tensors",
                                    hint="pass model.state_dict() or {name: tensor}")
@@ -112,11 +143,18 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
                                        "for now", hint="publish t.cpu(), or use rdt.put for GPU tensors")
         locals_[name] = local if local.is_contiguous() else local.contiguous()
         params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
-    meta = _publish(locals_, transport, seconds)
-    return Shards(_rank(rank), version, tuple(params), meta)
+    rank = _rank(rank)
+    meta = _publish(locals_, transport, seconds, keep_versions > 0)
+    kept = meta.nbytes if meta is not None and keep_versions else 0
+    if meta is not None:
+        from .._process.context import get_context
+
+        get_context().versions.publish(meta.obj_id, (rank, tuple(p.name for p in params)), rank, version, kept,
+                                       keep_versions)
+    return Shards(rank, version, tuple(params), meta, kept)
 
 
-def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional[float]) -> Any:
+def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional[float], copy: bool) -> Any:
     import ray
 
     from .._process.context import get_context
@@ -129,7 +167,7 @@ def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional
     if not in_actor:
         raise InvalidArgumentError("rdt.put_shards must be called inside an actor (the shards stay in it)",
                                    hint="call it in the trainer actor's method and return the Shards it gives")
-    out = produce(get_context(), tensors, transport, timeout=timeout)
+    out = produce(get_context(), tensors, transport, snapshot=copy, timeout=timeout)
     return out if isinstance(out, ObjectMeta) else None
 
 
