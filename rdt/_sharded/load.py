@@ -47,7 +47,7 @@ class _Pulls:
 @dataclass
 class LoadReport:
     """What one ``load`` did: the version, whether it made a new plan (False: replayed), the bytes that landed,
-    the path that served each producer rank ("shm-direct", "nixl"; "whole:<label>" where the rank's shards were
+    the path that served each producer rank ("shm-direct", "nixl", "gloo-ranges"; "whole:<label>" where the rank's shards were
     fetched whole and narrowed here), and the seconds it took."""
 
     version: int
