@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rdt.transports.group.ranges import CHUNK, ROW, decode, encode
+from rdt.transports.group.ranges import (CHUNK, PLANS_MAX, PLANS_MAX_BYTES, ROW, RUNS_MAX, RangesState, decode,
+                                        encode)
 
 
 def _roundtrip(buf, off, n):
@@ -41,3 +42,16 @@ def test_random_plans_roundtrip_and_messages_cover_the_stream_once():
             assert ((run_at + length) <= plan.n[idx]).all()
             seen += int(length.sum())
         assert seen == plan.total == int(n.sum())
+
+
+def test_the_producers_plan_cache_is_bounded():
+    st = RangesState()
+    small = decode(encode(np.zeros(4), np.arange(4) * 64, np.full(4, 16)))
+    for i in range(PLANS_MAX + 6):
+        st.keep(("g", 1, bytes([i]) * 16), small)
+    assert st.snapshot()["plans"] == PLANS_MAX and st.plan(("g", 1, bytes([0]) * 16)) is None  # oldest out first
+    big = decode(encode(np.zeros(RUNS_MAX), np.arange(RUNS_MAX) * 64, np.full(RUNS_MAX, 16)))
+    assert big.nbytes > PLANS_MAX_BYTES // 2
+    st.keep(("g", 2, b"b" * 16), big)
+    st.keep(("g", 3, b"c" * 16), big)
+    assert st.snapshot()["plans_bytes"] <= PLANS_MAX_BYTES

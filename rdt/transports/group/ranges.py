@@ -46,7 +46,8 @@ HEAD = struct.Struct("!III16s")  # consumer rank, tag base, wait ms, plan key (a
 MAX_ROWS_BYTES = _control.MAX_FRAME - 4096  # a plan must fit one control frame (else: fetched whole)
 NEED_PLAN = b"?"  # the producer's answer to a key it does not hold: send the rows
 PLANS_MAX = 64  # plans a producer caches ...
-PLANS_MAX_BYTES = 16 << 20  # ... and their rows' bytes at most
+PLANS_MAX_BYTES = 64 << 20  # ... and their expanded runs' bytes at most (40 bytes a run)
+RUNS_MAX = 1 << 20  # runs one plan may expand to
 SENT_MAX = 1024  # (producer, group, key) a consumer remembers having sent
 
 
@@ -61,7 +62,11 @@ class Plan:
     starts: np.ndarray
     ends: np.ndarray
     total: int
-    rows_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the expanded plan holds."""
+        return sum(a.nbytes for a in (self.buf, self.off, self.n, self.starts, self.ends))
 
     @property
     def messages(self) -> int:
@@ -102,12 +107,12 @@ def encode(buf: np.ndarray, off: np.ndarray, n: np.ndarray) -> bytes:
 
 
 def decode(rows: bytes) -> Plan:
-    """The plan of encoded rows; ValueError when they are malformed."""
+    """The plan of encoded rows; ValueError when they are malformed or expand to over RUNS_MAX runs."""
     if len(rows) % ROW.size:
         raise ValueError(f"{len(rows)} bytes of rows is not a multiple of {ROW.size}")
     r = np.frombuffer(rows, dtype=[("b", ">u4"), ("o", ">u8"), ("n", ">u8"), ("c", ">u4"), ("s", ">u8")])
     count = r["c"].astype(np.int64)
-    if len(r) and (count.min() < 1 or int(count.sum()) > 1 << 26):
+    if len(r) and (count.min() < 1 or int(count.sum()) > RUNS_MAX):
         raise ValueError("a row of no runs, or too many runs")
     first = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
     within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
@@ -117,7 +122,7 @@ def decode(rows: bytes) -> Plan:
     if len(n) and n.min() < 1:
         raise ValueError("a run of no bytes")
     ends = np.cumsum(n)
-    return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0, len(rows))
+    return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0)
 
 
 def plan_key(rows: bytes) -> bytes:
@@ -148,12 +153,12 @@ class RangesState(TransportState):
         """Cache ``plan`` under ``key``, dropping the least recently used beyond the bounds."""
         with self._lock:
             old = self._plans.pop(key, None)
-            self._plans_bytes -= old.rows_bytes if old is not None else 0
+            self._plans_bytes -= old.nbytes if old is not None else 0
             self._plans[key] = plan
-            self._plans_bytes += plan.rows_bytes
+            self._plans_bytes += plan.nbytes
             while len(self._plans) > PLANS_MAX or self._plans_bytes > PLANS_MAX_BYTES:
                 _, gone = self._plans.popitem(last=False)
-                self._plans_bytes -= gone.rows_bytes
+                self._plans_bytes -= gone.nbytes
 
     def was_sent(self, key: Tuple[str, str, bytes]) -> bool:
         with self._lock:
@@ -213,11 +218,11 @@ class _Guard:
 
 def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadline: float,
                 watch: Any, failed: Any) -> Optional[str]:
-    """"gloo-ranges" once every range landed; None where the plan does not fit a control frame. ``watch`` runs the
+    """"gloo-ranges" once every range landed; None where the plan does not fit a control frame or RUNS_MAX. ``watch`` runs the
     receive while checking that the producer lives (``transport._watching_producer``); ``failed`` raises the typed
     error of a failed receive (``transport._receive_failed``)."""
     rows = encode(ranges.buf, ranges.off, ranges.n)
-    if len(rows) > MAX_ROWS_BYTES:
+    if len(rows) > MAX_ROWS_BYTES or len(ranges.n) > RUNS_MAX:
         return None
     plan = decode(rows)
     if plan.total == 0:
