@@ -35,6 +35,7 @@ from ..._control import wire as _control
 from ..._control.peer import control_request
 from ..._control.wire import err
 from ..._objects.stream_ready import wait_ready
+from ...errors import ObjectFetchError
 from ..base import Ranges, TransportState
 from .protocol import PACK_MAX, REQ_FETCH_RANGES
 from .serve import send_failed
@@ -218,9 +219,9 @@ class _Guard:
 
 def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadline: float,
                 watch: Any, failed: Any) -> Optional[str]:
-    """"gloo-ranges" once every range landed; None where the plan does not fit a control frame or RUNS_MAX. ``watch`` runs the
-    receive while checking that the producer lives (``transport._watching_producer``); ``failed`` raises the typed
-    error of a failed receive (``transport._receive_failed``)."""
+    """"gloo-ranges" once every range landed; None where the plan does not fit a control frame or RUNS_MAX.
+    ``watch`` runs the receive while checking that the producer lives (``transport._watching_producer``);
+    ``failed`` raises the typed error of a failed receive (``transport._receive_failed``)."""
     rows = encode(ranges.buf, ranges.off, ranges.n)
     if len(rows) > MAX_ROWS_BYTES or len(ranges.n) > RUNS_MAX:
         return None
@@ -245,8 +246,9 @@ def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadl
         reply = ask(True)
     st.sent(memo, reply != NEED_PLAN)
     if reply:
-        raise CommunicationError(f"the producer answered a range fetch with {reply[:16]!r}", group=group.name,
-                                 rank=group.rank, peer=ref.rank, op="range fetch", object_id=meta.id_hex)
+        raise ObjectFetchError(f"the producer of {meta.describe()} answered a range fetch over group "
+                               f"{group.name!r} with {reply[:16]!r}", object_id=meta.id_hex,
+                               hint="producer and consumer run different rdt versions; install the same on both")
     guard = _Guard()
     dst = np.asarray(ranges.dst, dtype=np.uint64).astype(np.int64)
     try:
