@@ -5,6 +5,7 @@ name and version), so the driver can compare every landed byte against the narro
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
@@ -106,6 +107,17 @@ class Trainer:
         return rdt.put_shards(self.state(), version=self.version, layouts=self.layouts(), rank=self.rank,
                               tensor_transport=transport)
 
+    def hold_send_threads(self, seconds: float) -> None:
+        """Keep every thread this process waits on object sends with busy for ``seconds`` (a stalled producer)."""
+        import threading
+
+        from rdt._process.context import SEND_WAITERS, get_context
+
+        gate = threading.Barrier(SEND_WAITERS + 1)
+        for _ in range(SEND_WAITERS):
+            get_context().send_waiters.submit(lambda: (gate.wait(), time.sleep(seconds)))
+        gate.wait(10.0)
+
     @rdt.tensor_method(tensor_transport="shm")
     def dtensor_state(self) -> Dict[str, Any]:
         return self.state()
@@ -150,3 +162,6 @@ class Consumer:
                 "plans": self.loader.plans, "replays": self.loader.replays,
                 "target_bytes": sum(v.nbytes if v.dtype == torch.float32 else v.numel() * 4
                                     for v in self.targets.values())}
+
+    def targets_now(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.targets.items()}

@@ -33,7 +33,7 @@ import rdt_transports as rt
 from rdt._control import wire as _control
 from rdt._control.client import ControlClient
 from rdt._control.server import ControlServer
-from rdt.transports.group.protocol import REQ_FETCH_GROUP, REQ_RELAY_NEXT
+from rdt.transports.group.protocol import REQ_FETCH_GROUP, REQ_FETCH_RANGES, REQ_RELAY_NEXT
 from rdt.transports.nixl.transport import REQ_PREPARE_NIXL
 from rdt.transports.shm.transport import REQ_PREPARE_SHM
 from rdt.transports.nixl import descriptors as nixl_descriptors
@@ -378,7 +378,7 @@ def test_control_server_never_unpickles_payloads(ray_cluster, tmp_path, pickle_s
     srv = ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
     try:
         for msg in (REQ_FETCH_GROUP, REQ_PREPARE_SHM, REQ_PREPARE_NIXL,
-                    REQ_RELAY_NEXT):
+                    REQ_RELAY_NEXT, REQ_FETCH_RANGES):
             for payload in (evil, evil[:16], b"\0" * 16 + evil, evil + b"\0" * 40):
                 resp_type, resp = _valid_ping(srv.address, ctx.process_key, payload=payload, msg_type=msg)
                 assert resp_type == _control.RESP_ERR  # not found / malformed, answered in binary
@@ -435,7 +435,7 @@ def test_real_actor_control_server(pair, tmp_path) -> None:
         assert send_raw(address, data) == b""
     # evil payloads with the right key: answered (object not found), never unpickled
     for msg in (REQ_PREPARE_SHM, REQ_FETCH_GROUP, REQ_PREPARE_NIXL,
-                REQ_RELAY_NEXT):
+                REQ_RELAY_NEXT, REQ_FETCH_RANGES):
         assert _valid_ping(address, key, payload=evil, msg_type=msg)[0] == _control.RESP_ERR
     assert _valid_ping(address, key) == (_control.RESP_OK, b"")
 

@@ -1,7 +1,8 @@
 """Sharded weight sync on real parts: trainer actors publish Shard(0) of a few parameters (plain tensors with an
 explicit layout, and DTensors in a real gloo group), consumer actors pull column-parallel, row-parallel (strided),
-fused-qkv and cast targets over shm direct reads, NIXL READs and a whole-object fallback; every landed byte is
-compared against the narrowed full tensor. Bad input is refused before a byte moves."""
+fused-qkv and cast targets over shm direct reads, NIXL READs, gloo range streams (counted on the producers, staging
+bounded, plans cached there) and a whole-object fallback; every landed byte is compared against the narrowed full
+tensor. Bad input is refused before a byte moves."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ._sharded_actors import SHAPES, Consumer, Trainer, expected
 from .conftest import HAS_NIXL, _free_port
 
 TP = 2
+STAGING = 2 * (4 << 20)  # gloo's staging per consumer, at most: two messages of 4 MiB
 
 
 def _check(out, rank: int, version: int) -> None:
@@ -151,6 +153,81 @@ def test_bad_wants_are_refused_before_any_byte_moves():
         with pytest.raises(rdt.InvalidArgumentError, match=match):
             loader.load(manifest)  # the metadata is None here: any attempt to move a byte would fail otherwise
         assert loader.plans == 0
+
+
+# ---------------------------------------------------------------------------------- over a gloo group
+@pytest.fixture(scope="module")
+def gloo_ranks(ray_cluster):
+    ts = [Trainer.remote(r, 3) for r in range(3)]
+    cs = [Consumer.remote(r, TP) for r in range(TP)]
+    assert all(f.startswith(__file__.rsplit("/tests/", 1)[0]) for f in ray.get([t.file.remote() for t in ts]))
+    group = rdt.create_collective_group(ts + cs, backend="gloo")
+    yield ts, cs
+    rdt.destroy_collective_group(group)
+    for a in ts + cs:
+        ray.kill(a)
+
+
+def _served(actors) -> int:
+    return sum(rdt.stats(a)["transfers"].get("gloo", {}).get("out_bytes", 0) for a in actors)
+
+
+def _load_gloo(trainers, consumers):
+    manifest = rdt.Manifest(ray.get([t.publish.remote("gloo") for t in trainers]))
+    before = _served(trainers)
+    outs = ray.get([c.load.remote(manifest) for c in consumers])
+    return manifest, outs, _served(trainers) - before
+
+
+def test_gloo_streams_only_the_planned_ranges(gloo_ranks):
+    """Before: gloo served no ranges, each rank's shards were fetched whole ("whole:gloo")."""
+    trainers, consumers = gloo_ranks
+    manifest, outs, served = _load_gloo(trainers, consumers)
+    for r, out in enumerate(outs):
+        want = expected(r, TP, manifest.version)
+        for name, t in out["targets"].items():
+            assert torch.equal(t, want[name]), f"consumer {r}, target {name}"
+        assert out["report"].paths == {0: "gloo-ranges", 1: "gloo-ranges", 2: "gloo-ranges"}
+    targets = sum(out["target_bytes"] for out in outs)
+    assert served <= 1.01 * targets, (served, targets)
+    for t in trainers:
+        st = rdt.stats(t)["gloo_ranges"]
+        assert 0 < st["staging_stream_peak"] <= STAGING and st["staging_bytes"] == 0, st
+        assert st["plans_received"] == TP and st["plans"] == TP, st
+    for c in consumers:
+        st = rdt.stats(c)["gloo_ranges"]
+        assert 0 < st["receive_block_bytes"] <= STAGING, st
+
+
+def test_a_replayed_load_sends_the_plan_key_only(gloo_ranks):
+    trainers, consumers = gloo_ranks
+    ray.get([t.step.remote() for t in trainers])  # in place, a new version: new objects, the same layout
+    manifest, outs, served = _load_gloo(trainers, consumers)
+    for r, out in enumerate(outs):
+        want = expected(r, TP, manifest.version)
+        assert all(torch.equal(t, want[n]) for n, t in out["targets"].items()), r
+        assert not out["report"].planned and set(out["report"].paths.values()) == {"gloo-ranges"}
+    assert served <= 1.01 * sum(out["target_bytes"] for out in outs)
+    for t in trainers:
+        st = rdt.stats(t)["gloo_ranges"]
+        assert st["plans_received"] == TP and st["served"] >= 2 * TP, st  # the cached plans served the new objects
+
+
+def test_a_timed_out_gloo_stream_never_writes_the_targets(gloo_ranks):
+    """The producers' send threads are held past the load's deadline: the load fails typed, naming a rank, and the
+    streams that go out late never land in the targets (they keep the last version loaded). Breaks the group."""
+    trainers, consumers = gloo_ranks
+    before = ray.get(consumers[0].targets_now.remote())
+    ray.get([t.step.remote() for t in trainers])
+    manifest = rdt.Manifest(ray.get([t.publish.remote("gloo") for t in trainers]))
+    ray.get([t.hold_send_threads.remote(4.0) for t in trainers])
+    start = time.monotonic()
+    with pytest.raises(rdt.TransferTimeoutError, match="producer rank"):
+        ray.get(consumers[0].load.remote(manifest, 1.5))
+    assert time.monotonic() - start < 4.0
+    time.sleep(4.0)  # the held threads are free: the streams went out (and failed) meanwhile
+    after = ray.get(consumers[0].targets_now.remote())
+    assert all(torch.equal(after[k], before[k]) for k in before), "a timed-out stream wrote into the targets"
 
 
 def test_a_dead_producer_is_named_by_rank(trainers, consumers):

@@ -48,8 +48,8 @@ class _Pulls:
 @dataclass
 class LoadReport:
     """What one ``load`` did: the version, whether it made a new plan (False: replayed), the bytes that landed,
-    the path that served each producer rank ("shm-direct", "nixl"; "whole:<label>" where the rank's shards were
-    fetched whole and narrowed here), and the seconds it took. With ``verify=True``: the bytes checked against the
+    the path that served each producer rank ("shm-direct", "nixl", "gloo-ranges"; "whole:<label>" where the rank's
+    shards were fetched whole and narrowed here), and the seconds it took. With ``verify=True``: the bytes checked against the
     producers' checksums and the seconds the checks took, summed over the ranks (they run in parallel, each after
     its rank's read)."""
 

@@ -172,7 +172,7 @@ def _send_after_go(go: Any, group: Any, buffers: List[torch.Tensor], rank: int, 
         go.wait(max(deadline - time.monotonic(), 1e-3))
         works = [group.backend.isend(buf, rank, make_tag(TAG_OBJECT, tag_base + i)) for i, buf in enumerate(buffers)]
     except Exception as e:  # noqa: BLE001 - the consumer timed out or died, or the group was aborted meanwhile
-        _send_failed(group, obj_id, rank, e)
+        send_failed(group, obj_id, rank, e)
         if on_done is not None:
             on_done(True)
         return
@@ -192,7 +192,7 @@ def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], d
             try:
                 w.wait(max(deadline - time.monotonic(), 1e-3))
             except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
-                _send_failed(group, obj_id, rank, e)
+                send_failed(group, obj_id, rank, e)
                 return
         failed = False
         del keepalive
@@ -203,7 +203,7 @@ def _finish_sends(works: List[Any], group: Any, keepalive: List[torch.Tensor], d
 
 
 
-def _send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> None:
+def send_failed(group: Any, obj_id: bytes, rank: int, cause: BaseException) -> None:
     """Log a failed object send with its context and mark the group ERRORED (not after an abort or destroy)."""
     logger.warning("rdt: group=%s rank=%d: sending object %s to rank %d failed: %s", group.name, group.rank,
                    obj_id.hex(), rank, cause)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rdt_transports import local_groups
 from rdt_transports._memcopy import copy_parts
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
 from rdt_transports.group import TAG_OBJECT, make_tag
@@ -32,11 +33,11 @@ from ..._control import wire as _control
 from ..._control.peer import control_request, died, producer_alive
 from ..._objects.meta import GroupRef, ObjectMeta
 from ...errors import NoCollectiveGroupError, ObjectFetchError
-from ..base import Capabilities, Fetched, Served, Site, Transport, Unusable
+from ..base import Capabilities, Fetched, Ranges, Served, Site, Transport, Unusable
 from ..receive import block_views, landing, padded_offsets
-from . import relay as _relay
-from .protocol import (FLAG_PACKED, FLAG_RELAY, FLAG_RESUME, REQ_FETCH_GROUP, REQ_RELAY_NEXT, message_sizes,
-                       messages, waits_for_go)
+from . import ranges as _ranges, relay as _relay
+from .protocol import (FLAG_PACKED, FLAG_RELAY, FLAG_RESUME, REQ_FETCH_GROUP, REQ_FETCH_RANGES, REQ_RELAY_NEXT,
+                       message_sizes, messages, waits_for_go)
 from .serve import serve_fetch_group, serve_relay_next
 
 logger = logging.getLogger("rdt")
@@ -76,10 +77,37 @@ class GlooTransport(_GroupTransport):
     capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,
                                 serves_from_holder=True, auto_priority=20)
 
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+                    deadline: float) -> Optional[str]:
+        """The ranges streamed packed by the producer (see ``ranges``); None without a healthy common gloo group,
+        for an object or targets not all on the CPU, or a plan too large for one control frame."""
+        found = _common_group(meta, self.name)
+        if found is None or meta.buffers.device_types != {"cpu"} \
+                or any(t.device.type != "cpu" for t in ranges.targets):
+            return None
+        group, ref = found
+        return _ranges.read_ranges(ctx, meta, group, ref, ranges, deadline, _watching_producer, _receive_failed)
+
+    def handlers(self) -> Dict[int, Served]:
+        return {**super().handlers(), REQ_FETCH_RANGES: (_ranges.serve_fetch_ranges, (_control.KEY_GROUP,))}
+
     def stats(self, ctx: Any) -> Dict[str, Any]:
-        """Fan-out over groups: bytes served as producer and forwarded as relay, live chains (see ``relay``)."""
+        """Fan-out over groups: bytes served as producer and forwarded as relay, live chains (see ``relay``); range
+        fetches served and received, cached plans and staging (see ``ranges``)."""
         state = ctx.peek_transport_state(self.name)
-        return {"relay": state.snapshot() if state is not None else dict(_relay.EMPTY_STATS)}
+        ranges = ctx.peek_transport_state("gloo-ranges")
+        return {"relay": state.snapshot() if state is not None else dict(_relay.EMPTY_STATS),
+                "gloo_ranges": ranges.snapshot() if ranges is not None else dict(_ranges.EMPTY_STATS)}
+
+
+def _common_group(meta: ObjectMeta, backend: str) -> Optional[Tuple[Any, GroupRef]]:
+    """A healthy group of ``backend`` this process shares with ``meta``'s producer, and the producer's ref in it."""
+    mine = {g.uid: g for g in local_groups() if g is not None}
+    for ref in meta.groups:
+        g = mine.get(ref.uid)
+        if ref.backend == backend and g is not None and g.state.value == "healthy":
+            return g, ref
+    return None
 
 
 class NcclTransport(_GroupTransport):

@@ -1,0 +1,369 @@
+"""Byte ranges of an object served over a gloo group: sharded weight sync's path over gloo.
+
+The consumer sends its range list once per (group, consumer rank, plan key); the producer keeps it in a bounded
+cache and, on every later request that names the key, streams exactly those bytes packed in messages of at most
+:data:`CHUNK` bytes, gathered through at most :data:`SLOTS` staging buffers per consumer. The consumer receives each
+message into one of its :data:`SLOTS` pooled blocks and scatters it to the ranges' local addresses. Both sides cut
+the byte stream into messages from the plan alone, so no byte of framing travels.
+
+A range list travels compressed: consecutive runs of one buffer and length at a constant stride (a row-parallel
+slice: one run per row) are one row of :data:`ROW`. A plan is valid for any object of the group whose buffers
+contain its ranges (checked on every request), so a consumer that loads a new version of the same layout names
+the key only. A fetch abandoned by its caller (timeout, producer death) never copies into the targets afterwards:
+a message is scattered only under the fetch's lock, and only while the caller still waits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from rdt_transports import local_groups
+from rdt_transports._memcopy import copy_parts
+from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
+from rdt_transports.group import TAG_OBJECT, make_tag
+
+from ..._control import wire as _control
+from ..._control.peer import control_request
+from ..._control.wire import err
+from ..._objects.stream_ready import wait_ready
+from ...errors import ObjectFetchError
+from ..base import Ranges, TransportState
+from .protocol import PACK_MAX, REQ_FETCH_RANGES
+from .serve import send_failed
+
+CHUNK = PACK_MAX  # bytes per message (the last may be shorter)
+SLOTS = 2  # staging buffers per consumer on the producer, receive blocks per fetch on the consumer
+ROW = struct.Struct("!IQQIQ")  # buffer, offset, length, count, stride: `count` runs at `offset + i * stride`
+HEAD = struct.Struct("!III16s")  # consumer rank, tag base, wait ms, plan key (after obj_id(16) group_uid(16))
+MAX_ROWS_BYTES = _control.MAX_FRAME - 4096  # a plan must fit one control frame (else: fetched whole)
+NEED_PLAN = b"?"  # the producer's answer to a key it does not hold: send the rows
+PLANS_MAX = 64  # plans a producer caches ...
+PLANS_MAX_BYTES = 64 << 20  # ... and their expanded runs' bytes at most (40 bytes a run)
+RUNS_MAX = 1 << 20  # runs one plan may expand to
+SENT_MAX = 1024  # (producer, group, key) a consumer remembers having sent
+
+
+# ------------------------------------------------------------------------------------------------ both sides
+@dataclass
+class Plan:
+    """Runs of one consumer's ranges, expanded: buffer, offset, length, and each run's place in the byte stream."""
+
+    buf: np.ndarray
+    off: np.ndarray
+    n: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    total: int
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the expanded plan holds."""
+        return sum(a.nbytes for a in (self.buf, self.off, self.n, self.starts, self.ends))
+
+    @property
+    def messages(self) -> int:
+        return -(-self.total // CHUNK)
+
+    def message_bytes(self, m: int) -> int:
+        return min(CHUNK, self.total - m * CHUNK)
+
+    def pieces(self, m: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Message ``m``'s pieces: run index, offset within the run, offset within the message, length."""
+        lo, hi = m * CHUNK, min((m + 1) * CHUNK, self.total)
+        i0 = int(np.searchsorted(self.ends, lo, side="right"))
+        i1 = int(np.searchsorted(self.starts, hi, side="left"))
+        idx = np.arange(i0, i1)
+        a = np.maximum(self.starts[idx], lo)
+        b = np.minimum(self.ends[idx], hi)
+        return idx, a - self.starts[idx], a - lo, b - a
+
+
+def encode(buf: np.ndarray, off: np.ndarray, n: np.ndarray) -> bytes:
+    """The runs as rows of :data:`ROW` (constant-stride stretches of one buffer and length joined)."""
+    buf, off, n = (np.asarray(a, np.int64) for a in (buf, off, n))
+    k = len(n)
+    if k == 0:
+        return b""
+    step = np.zeros(k, np.int64)
+    step[1:] = off[1:] - off[:-1]
+    same = np.zeros(k, bool)
+    same[1:] = (buf[1:] == buf[:-1]) & (n[1:] == n[:-1])
+    brk = ~same
+    brk[2:] |= same[1:-1] & (step[2:] != step[1:-1])
+    first = np.flatnonzero(brk)
+    count = np.diff(np.append(first, k))
+    stride = np.where(count > 1, step[np.minimum(first + 1, k - 1)], 0)
+    rows = np.zeros(len(first), dtype=[("b", ">u4"), ("o", ">u8"), ("n", ">u8"), ("c", ">u4"), ("s", ">u8")])
+    rows["b"], rows["o"], rows["n"], rows["c"], rows["s"] = buf[first], off[first], n[first], count, stride
+    return rows.tobytes()
+
+
+def decode(rows: bytes) -> Plan:
+    """The plan of encoded rows; ValueError when they are malformed or expand to over RUNS_MAX runs."""
+    if len(rows) % ROW.size:
+        raise ValueError(f"{len(rows)} bytes of rows is not a multiple of {ROW.size}")
+    r = np.frombuffer(rows, dtype=[("b", ">u4"), ("o", ">u8"), ("n", ">u8"), ("c", ">u4"), ("s", ">u8")])
+    count = r["c"].astype(np.int64)
+    if len(r) and (count.min() < 1 or int(count.sum()) > RUNS_MAX):
+        raise ValueError("a row of no runs, or too many runs")
+    first = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
+    within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
+    buf = np.repeat(r["b"].astype(np.int64), count)
+    off = np.repeat(r["o"].astype(np.int64), count) + within * np.repeat(r["s"].astype(np.int64), count)
+    n = np.repeat(r["n"].astype(np.int64), count)
+    if len(n) and n.min() < 1:
+        raise ValueError("a run of no bytes")
+    ends = np.cumsum(n)
+    return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0)
+
+
+def plan_key(rows: bytes) -> bytes:
+    return hashlib.blake2b(rows, digest_size=16).digest()
+
+
+class RangesState(TransportState):
+    """Per process: the producer's cached plans (bounded, least recently used out first), the keys this consumer
+    sent to which producer, and the counters ``rdt.stats()["gloo_ranges"]`` shows."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: "OrderedDict[Tuple[str, int, bytes], Plan]" = OrderedDict()
+        self._plans_bytes = 0
+        self._sent: "OrderedDict[Tuple[str, str, bytes], None]" = OrderedDict()
+        self.counters: Dict[str, int] = {
+            "served": 0, "served_bytes": 0, "plans_received": 0, "plans_asked": 0, "staging_bytes": 0,
+            "staging_peak": 0, "staging_stream_peak": 0, "fetches": 0, "received_bytes": 0, "receive_block_bytes": 0}
+
+    def plan(self, key: Tuple[str, int, bytes]) -> Optional[Plan]:
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def keep(self, key: Tuple[str, int, bytes], plan: Plan) -> None:
+        """Cache ``plan`` under ``key``, dropping the least recently used beyond the bounds."""
+        with self._lock:
+            old = self._plans.pop(key, None)
+            self._plans_bytes -= old.nbytes if old is not None else 0
+            self._plans[key] = plan
+            self._plans_bytes += plan.nbytes
+            while len(self._plans) > PLANS_MAX or self._plans_bytes > PLANS_MAX_BYTES:
+                _, gone = self._plans.popitem(last=False)
+                self._plans_bytes -= gone.nbytes
+
+    def was_sent(self, key: Tuple[str, str, bytes]) -> bool:
+        with self._lock:
+            return key in self._sent
+
+    def sent(self, key: Tuple[str, str, bytes], held: bool) -> None:
+        """Remember (``held``) or forget that a producer holds a key."""
+        with self._lock:
+            if not held:
+                self._sent.pop(key, None)
+                return
+            self._sent[key] = None
+            self._sent.move_to_end(key)
+            while len(self._sent) > SENT_MAX:
+                self._sent.popitem(last=False)
+
+    def add(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[counter] += n
+            if counter == "staging_bytes":
+                self.counters["staging_peak"] = max(self.counters["staging_peak"], self.counters[counter])
+
+    def peak(self, counter: str, n: int) -> None:
+        with self._lock:
+            self.counters[counter] = max(self.counters[counter], n)
+
+    def snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            return dict(self.counters, plans=len(self._plans), plans_bytes=self._plans_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self._plans_bytes = 0
+            self._sent.clear()
+
+
+EMPTY_STATS: Dict[str, int] = RangesState().snapshot()
+
+
+def state(ctx: Any) -> RangesState:
+    return ctx.transport_state("gloo-ranges", RangesState)
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+class _Guard:
+    """Whether the caller still waits: a message is scattered into the targets only under the lock while it does."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self.lock:  # waits for a scatter in progress: none starts after this returns
+            self.abandoned = True
+
+
+def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadline: float,
+                watch: Any, failed: Any) -> Optional[str]:
+    """"gloo-ranges" once every range landed; None where the plan does not fit a control frame or RUNS_MAX.
+    ``watch`` runs the receive while checking that the producer lives (``transport._watching_producer``);
+    ``failed`` raises the typed error of a failed receive (``transport._receive_failed``)."""
+    rows = encode(ranges.buf, ranges.off, ranges.n)
+    if len(rows) > MAX_ROWS_BYTES or len(ranges.n) > RUNS_MAX:
+        return None
+    plan = decode(rows)
+    if plan.total == 0:
+        return "gloo-ranges"
+    st = state(ctx)
+    key = plan_key(rows)
+    memo = (meta.producer.control_address, group.uid, key)
+    tag_base = ctx.next_tags(group.uid, plan.messages)
+    head = meta.obj_id + bytes.fromhex(group.uid)
+
+    def ask(with_rows: bool) -> bytes:
+        wait_ms = min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
+        payload = head + HEAD.pack(group.rank, tag_base, wait_ms, key) + (rows if with_rows else b"")
+        return control_request(ctx, meta, REQ_FETCH_RANGES, _control.KEY_GROUP, group.backend.config.secret,
+                               payload, max(deadline - time.monotonic(), 1e-3))
+
+    reply = ask(not st.was_sent(memo))
+    if reply == NEED_PLAN:
+        st.add("plans_asked")
+        reply = ask(True)
+    st.sent(memo, reply != NEED_PLAN)
+    if reply:
+        raise ObjectFetchError(f"the producer of {meta.describe()} answered a range fetch over group "
+                               f"{group.name!r} with {reply[:16]!r}", object_id=meta.id_hex,
+                               hint="producer and consumer run different rdt versions; install the same on both")
+    guard = _Guard()
+    dst = np.asarray(ranges.dst, dtype=np.uint64).astype(np.int64)
+    try:
+        watch(ctx, meta, lambda: _receive(ctx, group, ref.rank, plan, dst, tag_base, deadline, guard))
+    except (CollectiveTimeoutError, CommunicationError) as e:
+        guard.abandon()
+        failed(ctx, meta, group, e)
+    except BaseException:
+        guard.abandon()
+        raise
+    st.add("fetches")
+    st.add("received_bytes", plan.total)
+    return "gloo-ranges"
+
+
+def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_base: int, deadline: float,
+             guard: _Guard) -> None:
+    """(waiter thread) Receive the plan's messages into at most SLOTS pooled blocks, scattering each to the targets
+    as it lands and reposting its block for the message SLOTS on."""
+    n = plan.messages
+    blocks = [ctx.buffers.empty(min(CHUNK, plan.total)) for _ in range(min(SLOTS, n))]
+    state(ctx).peak("receive_block_bytes", sum(b.numel() for b in blocks))
+    works: Dict[int, Any] = {}
+
+    def post(m: int) -> None:
+        block = blocks[m % SLOTS][:plan.message_bytes(m)]
+        works[m] = group.backend.irecv(block, peer, make_tag(TAG_OBJECT, tag_base + m))
+
+    for m in range(len(blocks)):
+        post(m)
+    for m in range(n):
+        works.pop(m).wait(max(deadline - time.monotonic(), 1e-3))
+        idx, run_at, msg_at, length = plan.pieces(m)
+        base = blocks[m % SLOTS].data_ptr()
+        parts = list(zip((dst[idx] + run_at).tolist(), (msg_at + base).tolist(), length.tolist()))
+        with guard.lock:
+            if guard.abandoned:
+                return
+            copy_parts(parts)
+        if m + SLOTS < n:
+            post(m + SLOTS)
+
+
+# ------------------------------------------------------------------------------------------------ producer
+def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
+    """REQ_FETCH_RANGES: stream the asking member's planned ranges of the object (NEED_PLAN for an unknown key)."""
+    if len(payload) < 32 + HEAD.size:
+        return err(_control.ERR_BAD_REQUEST, "malformed range request")
+    entry = ctx.table.get(payload[:16])
+    if entry is None:
+        return err(_control.ERR_NOT_FOUND, "object was freed or never existed here")
+    uid = payload[16:32].hex()
+    rank, tag_base, wait_ms, key = HEAD.unpack_from(payload, 32)
+    group = next((g for g in local_groups() if g is not None and g.uid == uid), None)
+    if group is None:
+        return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
+    if group.backend_name != "gloo" or not 0 <= rank < group.world_size or rank == group.rank:
+        return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank} or backend {group.backend_name}")
+    if entry.flat.table.device_types != {"cpu"}:
+        return err(_control.ERR_BAD_REQUEST, "ranges are served over gloo for CPU objects only")
+    st = state(ctx)
+    rows = payload[32 + HEAD.size:]
+    if rows:
+        if plan_key(rows) != key:
+            return err(_control.ERR_BAD_REQUEST, "the range plan does not match its key")
+        try:
+            plan = decode(rows)
+        except ValueError as e:
+            return err(_control.ERR_BAD_REQUEST, f"malformed range plan: {e}")
+        st.keep((uid, rank, key), plan)
+        st.add("plans_received")
+    else:
+        plan = st.plan((uid, rank, key))
+        if plan is None:
+            return _control.RESP_OK, NEED_PLAN
+    bases, sizes = (np.array(c, np.int64) for c in zip(*entry.flat.ranges)) if len(entry.flat.table) \
+        else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    if len(plan.n) and (plan.buf.max() >= len(sizes) or plan.off.min() < 0
+                        or (plan.off + plan.n > sizes[plan.buf]).any()):
+        return err(_control.ERR_BAD_REQUEST, "a range lies outside the object's buffers")
+    wait_ready(entry)
+    deadline = time.monotonic() + wait_ms / 1000.0
+    ctx.stats.add("gloo", "out", plan.total)
+    st.add("served")
+    st.add("served_bytes", plan.total)
+    ctx.send_waiters.submit(_stream, ctx, group, list(entry.buffers), bases, plan, rank, tag_base, deadline,
+                            entry.obj_id)
+    return _control.RESP_OK, b""
+
+
+def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarray, plan: Plan, rank: int,
+            tag_base: int, deadline: float, obj_id: bytes) -> None:
+    """(send waiter) Gather each message into one of SLOTS staging buffers and send it; a slot is refilled only once
+    its previous send ended. A failed send errors the group (``serve.send_failed``) and ends the stream."""
+    st = state(ctx)
+    n = plan.messages
+    slots = [ctx.buffers.empty(min(CHUNK, plan.total)) for _ in range(min(SLOTS, n))]
+    held = sum(s.numel() for s in slots)
+    st.add("staging_bytes", held)
+    st.peak("staging_stream_peak", held)
+    works: List[Any] = []
+    try:
+        for m in range(n):
+            if m >= SLOTS:
+                works[m - SLOTS].wait(max(deadline - time.monotonic(), 1e-3))
+            idx, run_at, msg_at, length = plan.pieces(m)
+            base = slots[m % SLOTS].data_ptr()
+            src = bases[plan.buf[idx]] + plan.off[idx] + run_at
+            copy_parts(list(zip((msg_at + base).tolist(), src.tolist(), length.tolist())))
+            works.append(group.backend.isend(slots[m % SLOTS][:plan.message_bytes(m)], rank,
+                                             make_tag(TAG_OBJECT, tag_base + m)))
+        for w in works[-SLOTS:]:
+            w.wait(max(deadline - time.monotonic(), 1e-3))
+    except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
+        send_failed(group, obj_id, rank, e)
+    finally:
+        del keepalive
+        st.add("staging_bytes", -held)
