@@ -4,10 +4,20 @@ Found by the data-integrity soak (tests/test_soak.py): a wave that stopped a pro
 consumer fetching from it over UCX/TCP lost the producer. Minimized here: real actors, real NIXL agents; the
 consumer runs UCX over TCP only (``UCX_TLS=tcp``, what UCX uses between nodes without RDMA), the producer runs
 with the defaults. The producer is stopped, the consumer posts a READ, the consumer is killed, the producer
-continues: on main (4bb68a5) it aborts at once, in the NIXL progress thread
-(``ucp_request.inl:356 Fatal: unexpected error: Endpoint timeout``, SIGABRT in ``get_new_notifs``). Without the
-stop (consumer killed mid-READ), or with UCX's default transports on one node, it survives. docs/fault-model.md
-promises that a consumer's death leaves the producer working.
+continues: it aborts at once (``ucp_request.inl:356 Fatal: unexpected error: Endpoint timeout``, SIGABRT in
+``get_new_notifs``, from the object agent's progress thread). docs/fault-model.md promises that a consumer's death
+leaves the producer working.
+
+The defect is in UCX (bundled 1.23.0 in nixl-cu13 1.5.1, unchanged at openucx/ucx master), not in rdt:
+``scripts/repro-ucx-sw-get-abort`` shows it with two raw NIXL agents and no rdt or Ray. TCP has no native GET, so
+UCP emulates the READ: the consumer sends a GET_REQ active message, and the producer answers it from inside UCX
+progress (``ucp_get_req_handler``, src/ucp/rma/rma_sw.c). The answer's send fails once the requester's socket
+is gone (uct/tcp reports EPIPE as UCS_ERR_ENDPOINT_TIMEOUT), and ``ucp_request_try_send`` treats any such error
+as fatal, whatever the endpoint's error-handling mode. So a producer that reads a dead consumer's GET_REQ aborts:
+a stopped producer, or one whose progress lags (0.5 s without any stop is enough); a reply of one TCP segment
+(<= 8 KiB), a WRITE (UCT's native TCP put), and UCX's shared-memory transports on one node are not affected.
+Nothing rdt can configure reaches that path (error mode none/peer, NIXL's own progress thread, keepalive
+settings: all abort the same way); the fix is upstream: drop the reply when its send fails.
 """
 
 from __future__ import annotations
@@ -56,9 +66,10 @@ class Consumer:
         return "ok" if torch.equal(w, torch.arange(w.numel(), dtype=torch.float32)) else "wrong bytes"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 soak finding: the producer aborts (UCX 'Endpoint timeout', no "
-                   "error handling on the NIXL agent's endpoints) when a UCX/TCP consumer dies while its READ "
-                   "waits on the stopped producer")
+@pytest.mark.xfail(strict=True, reason="UCX defect (issue 29 soak finding): UCP's software GET over TCP answers a "
+                   "dead consumer's GET_REQ from inside progress and ucs_fatal()s when that reply's send fails "
+                   "(ucp_get_req_handler -> ucp_request_try_send, 'Endpoint timeout'); not reachable from rdt, "
+                   "needs a UCX fix (scripts/repro-ucx-sw-get-abort)")
 def test_producer_survives_a_tcp_consumer_dying_while_it_is_stopped(ray_cluster) -> None:
     p = Producer.remote()
     pid = ray.get(p.pid.remote(), timeout=60)
