@@ -146,6 +146,83 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
     assert path.with_name(path.stem + "-weight-sync.png").stat().st_size > 1000
 
 
+@pytest.mark.timeout(200)
+def test_sharded_sync_suite_tiny(tmp_path: Path) -> None:
+    """rdt-bench --suites sharded-sync at the smallest scale with two of its rows (the hand-written baseline and
+    rdt sharded over shm, each in 8 fresh actors): every row and every target of the suite is in the report (the
+    others as not selected, the 200-step soak as not run), the sharded row received exactly its targets' bytes over
+    exact runs, and every byte of every engine's targets was compared with the trainers' values."""
+    from benchmarks._sharded_sync import CASES, NOT_SELECTED
+    from benchmarks._sharded_sync_model import engine_wants, target_bytes
+    from benchmarks._weight_sync import model_shape
+
+    run = ("hand-written", "rdt-sharded-shm")
+    proc = _bench("--suites", "sharded-sync", "--weight-sync-scale", "0.004", "--sharded-sync-rows", ",".join(run),
+                  "--iters", "1", "--object-store-mb", "256", "--no-png", "--out", str(tmp_path), timeout=180)
+    assert proc.returncode == 0, f"rdt-bench failed:\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    (path,) = sorted(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    _check_progress(proc.stderr, ["sharded-sync"], data["results"])
+    shape = model_shape(0.004)
+    targets = [target_bytes(engine_wants(shape, 2, i % 2)) for i in range(4)]
+    by = {r["impl"]: r for r in data["results"] if r["suite"] == "sharded-sync"}
+    assert list(by) == [c.impl for c in CASES] + ["rdt-sharded-soak"]
+    for impl, r in by.items():
+        if impl in run:
+            assert "error" not in r, r
+            assert r["target_bytes"] == targets and r["bytes_checked"] == sum(targets), r  # every byte compared
+            assert len(r["trainer_rss_peak_bytes"]) == 4 and len(r["engine_uss_growth_bytes"]) == 4, r
+            assert r["seconds"] > 0 and len(r["times_s"]) == 1, r
+        elif impl != "rdt-sharded-soak":
+            assert r["error"] == NOT_SELECTED and "seconds" not in r, r
+    assert by["rdt-sharded-soak"]["error"].startswith("not run"), by["rdt-sharded-soak"]  # never a made-up pass
+    hand, shm = by["hand-written"], by["rdt-sharded-shm"]
+    assert hand["mechanism"] == "gloo (ray.util.collective)" and hand["bytes_received"] == [shape.nbytes] * 4
+    direct = _cma_expected() == "cma"
+    assert shm["mechanism"] == "shm-direct" if direct else shm["mechanism"].startswith("whole:"), shm
+    if direct:  # exact runs: the bytes received are the targets' bytes, counted by rdt in each engine
+        assert shm["read_mode"] == "exact runs" and shm["bytes_received"] == targets, shm
+    assert shm["planned_steps"] == 4 and all(o > 0 for o in shm["replay_overhead_s"]), shm  # one plan per engine
+    got = {t["target"]: t for t in data["targets"] if t["target"].startswith("sharded-sync")}
+    assert len(got) == 4 * 2 + 2 + 4 + 4 + 1, sorted(got)
+    for name, t in got.items():
+        measured = "rdt-sharded-shm:" in name and "rdt-whole" not in name or "hand-written" in name
+        assert isinstance(t["met"], bool) if measured else t["met"] is None and t["status"].startswith("not run"), t
+    assert got["sharded-sync rdt-sharded-shm: bytes received per consumer <= 1.01x its targets"]["met"] is direct
+    assert "== sharded-sync" in proc.stdout and "hand-written: one ray.util.collective" in proc.stdout
+    assert "### sharded-sync" in path.with_suffix(".md").read_text()
+
+
+def test_sharded_sync_layout_and_byte_check() -> None:
+    """The engines' wants cover the model (norms once per TP rank), and the check that ends every row fails on one
+    wrong byte in any engine target (run in this process: no Ray)."""
+    import torch
+
+    from benchmarks._sharded_sync_actor import ShardedActor, WrongMarkerError
+    from benchmarks._sharded_sync_model import engine_wants, narrow_into, pattern, target_bytes, trainer_rows
+    from benchmarks._weight_sync import model_shape
+
+    shape = model_shape(0.004)
+    shapes = dict(shape.shapes())
+    norms = sum(2 * s[0] for n, s in shapes.items() if "norm" in n)
+    assert sum(target_bytes(engine_wants(shape, 2, r)) for r in range(2)) == shape.nbytes + norms
+    rows = [trainer_rows(shape, 4, r) for r in range(4)]
+    assert all(sum(r[name][2] for r in rows if name in r) == s[0] for name, s in shapes.items())
+    full = {name: pattern(tuple((0, d) for d in s), s, 3) for name, s in shapes.items()}
+    engine = ShardedActor()
+    engine.setup_engine(engine_wants(shape, 2, 1), shapes, staging=False, loader=False)
+    for name, _, regions in engine.wants:
+        narrow_into(engine.targets[name], regions, full, name)
+    assert engine.check(3) == 3.0 and engine.check_all(3) == target_bytes(engine.wants)
+    o_proj = engine.targets["model.layers.0.self_attn.o_proj.weight"]
+    o_proj[1, 1] += 1
+    engine.check(3)  # three elements per region: this one is not among them
+    with pytest.raises(WrongMarkerError, match="o_proj"):
+        engine.check_all(3)
+    with pytest.raises(WrongMarkerError):
+        engine.check(4)  # a stale step
+
+
 def test_weight_sync_model_shape() -> None:
     """The default model has Qwen2.5-0.5B's shapes: 290 tensors, 494 M parameters, 988 MB in bf16."""
     from benchmarks._weight_sync import model_shape
