@@ -250,7 +250,7 @@ class ShardedActor:
         return {"planned": report.planned, "nbytes": report.nbytes, "paths": dict(report.paths),
                 "received": _in_bytes() - before, "seconds": total,
                 "overhead_s": None if io is None else max(total - io, 0.0),
-                "mode": str(getattr(report, "mode", "exact runs"))}
+                "mode": _read_mode(report)}
 
     def check(self, step: int) -> float:
         """The first, middle and last element of every region this rank wants hold their value at ``step``."""
@@ -290,6 +290,16 @@ class ShardedActor:
         if sampler is None:
             raise RuntimeError("memory_stop without memory_start")
         return sampler.stop()
+
+
+def _read_mode(report: Any) -> str:
+    """How a load read: 'exact runs' (range reads), 'whole fetch' (every rank's shards fetched whole and narrowed
+    here), or both; the report's own ``mode`` where this build's loader gives one."""
+    if getattr(report, "mode", None):
+        return str(report.mode)
+    whole = {str(p).startswith("whole:") for p in report.paths.values()}
+    return {frozenset({False}): "exact runs", frozenset({True}): "whole fetch"}.get(frozenset(whole),
+                                                                                  "exact runs + whole fetch")
 
 
 def _row_elems(shape: Sequence[int]) -> int:

@@ -187,7 +187,7 @@ def test_sharded_sync_suite_tiny(tmp_path: Path) -> None:
     assert len(got) == 4 * 2 + 2 + 4 + 4 + 1, sorted(got)
     for name, t in got.items():
         measured = "rdt-sharded-shm:" in name and "rdt-whole" not in name or "hand-written" in name
-        assert isinstance(t["met"], bool) if measured else t["met"] is None and t["status"].startswith("not run"), t
+        assert isinstance(t["met"], bool) if measured else t["met"] is None and "not run" in t["status"], t
     assert got["sharded-sync rdt-sharded-shm: bytes received per consumer <= 1.01x its targets"]["met"] is direct
     assert "== sharded-sync" in proc.stdout and "hand-written: one ray.util.collective" in proc.stdout
     assert "### sharded-sync" in path.with_suffix(".md").read_text()
