@@ -29,7 +29,7 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import ray
 
@@ -39,7 +39,7 @@ from ._cluster import log
 from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
 from ._mechanism import object_mechanism
 from ._sharded_sync_actor import actor_class
-from ._sharded_sync_model import MAX_STEPS, engine_wants, target_bytes, trainer_rows
+from ._sharded_sync_model import MAX_STEPS, engine_wants, trainer_rows
 from ._weight_sync import ModelShape, _error, model_shape
 
 SUITE = "sharded-sync"

@@ -196,8 +196,6 @@ def test_sharded_sync_suite_tiny(tmp_path: Path) -> None:
 def test_sharded_sync_layout_and_byte_check() -> None:
     """The engines' wants cover the model (norms once per TP rank), and the check that ends every row fails on one
     wrong byte in any engine target (run in this process: no Ray)."""
-    import torch
-
     from benchmarks._sharded_sync_actor import ShardedActor, WrongMarkerError
     from benchmarks._sharded_sync_model import engine_wants, narrow_into, pattern, target_bytes, trainer_rows
     from benchmarks._weight_sync import model_shape
@@ -221,6 +219,10 @@ def test_sharded_sync_layout_and_byte_check() -> None:
         engine.check_all(3)
     with pytest.raises(WrongMarkerError):
         engine.check(4)  # a stale step
+    from benchmarks._mechanism import comparable
+
+    assert comparable("shm-direct", "cma") and comparable("whole:gloo", "gloo")  # the loader's labels, by class
+    assert not comparable("whole:gloo", "nixl")
 
 
 def test_weight_sync_model_shape() -> None:
