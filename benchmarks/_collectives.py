@@ -43,6 +43,7 @@ class BenchConfig:
     group_timeout: float = 30.0
     weight_sync_scale: float = 1.0  # the weight-sync suite's model: 1 = Qwen2.5-0.5B's shapes
     weight_sync_workers: List[int] = field(default_factory=lambda: [1, 2, 4])
+    sharded_sync_rows: Optional[List[str]] = None  # the sharded-sync rows to run (None: all)
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

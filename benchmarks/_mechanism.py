@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional
 _CLASSES: Mapping[str, str] = {
     "gloo": "gloo", "ray-rdt": "gloo", "nixl": "nixl", "ucx": "ucx", "nccl": "nccl",
     "shm-allreduce": "shm", "cma": "shm", "shm-map": "shm", "shm-segment": "shm", "shm": "shm",
-    "inline": "inline", "object_store": "object_store", "cuda_ipc": "cuda_ipc",
+    "inline": "inline", "object_store": "object_store", "cuda_ipc": "cuda_ipc", "shm-direct": "shm",
 }
 UNKNOWN = "?"
 
@@ -26,7 +26,7 @@ def mechanism_class(label: Optional[str]) -> str:
     'object_store'); the label itself when unknown, '?' when missing."""
     if not label:
         return UNKNOWN
-    base = label.split(" (", 1)[0].split("-p2p/", 1)[0]
+    base = label.split(" (", 1)[0].split("-p2p/", 1)[0].removeprefix("whole:")  # whole:<path>: fetched by <path>
     if base.startswith("ray-rdt"):
         base = "ray-rdt"
     return _CLASSES.get(base, base)

@@ -1,7 +1,7 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
 rdt's object layer vs Ray's built-in RDT and object store, and a model's weights synced from a trainer to workers.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync | --suites xnode] [--sizes 4K,1M] [--world-sizes 2,4]
+Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync,sharded-sync | --suites xnode] [--sizes 4K,1M] [--world-sizes 2,4]
 [--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
 Progress goes to stderr (one line per case and size, and where the run stands: a bar on a terminal, plain
 lines otherwise), the table to stdout, and every measurement plus machine
@@ -30,6 +30,8 @@ from ._collectives import BenchConfig, BenchContext, Impl, case_plan, fmt_size, 
 from ._objects import object_targets, objects_plan, objects_suite
 from ._p2p import interleaved_p2p, interleaved_plan
 from ._progress import Progress, SuitePlan
+from ._sharded_sync import CASES as SHARDED_CASES, SUITE as SHARDED_SYNC, sharded_sync_plan, sharded_sync_suite
+from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
 from ._targets import weight_sync_targets
 from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
 from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
@@ -84,7 +86,8 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
 
 
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
-                                               "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite})
+                                               "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite,
+                                               SHARDED_SYNC: sharded_sync_suite})
 
 
 def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
@@ -100,10 +103,12 @@ def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
             return [c for impl, ws in _allreduce_cases(ctx) for c in case_plan(config, "allreduce", impl.name, ws)]
         if name == "objects":
             return objects_plan(config)
+        if name == SHARDED_SYNC:
+            return sharded_sync_plan(config)
         return weight_sync_plan(config)
 
     return [SuitePlan(name, tuple(cases(name))) for name in suites]
-DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync"
+DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync,sharded-sync"
 XNODE = "xnode"  # not in SUITES: it starts its own cluster across network namespaces (run_xnode)
 XNODE_SCALE = 0.25  # the cross-node weight sync's default model scale: five nodes' object stores on one machine
 XNODE_OBJECT_STORE_MB = 512
@@ -145,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-sync model size: 1 = Qwen2.5-0.5B's shapes (988 MB bf16, the default); smaller "
                    "shrinks layers and vocabulary (below 1/24 also the widths); --quick: 0.01")
     p.add_argument("--weight-sync-workers", default="1,2,4", help="weight-sync worker counts")
+    p.add_argument("--sharded-sync-rows", default=None,
+                   help=f"sharded-sync rows to run (default all: {', '.join(c.impl for c in SHARDED_CASES)}); the "
+                   "others are reported as not selected")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="print the speed-up (B/A throughput) of every cell in both runs, and the cells in one only")
@@ -189,11 +197,16 @@ def run(args: argparse.Namespace) -> int:
                          iters=args.iters, warmup=args.warmup,
                          group_timeout=args.group_timeout or (20.0 if args.quick else 30.0),
                          weight_sync_scale=args.weight_sync_scale or (0.01 if args.quick else 1.0),
-                         weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers)])
+                         weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers)],
+                         sharded_sync_rows=_csv(args.sharded_sync_rows) if args.sharded_sync_rows else None)
     try:
         shape = model_shape(config.weight_sync_scale)
     except ValueError as e:
         log(str(e))
+        return 2
+    unknown_rows = sorted(set(config.sharded_sync_rows or ()) - {c.impl for c in SHARDED_CASES})
+    if unknown_rows:
+        log(f"unknown sharded-sync row(s) {unknown_rows}; choose from {[c.impl for c in SHARDED_CASES]}")
         return 2
     object_store_mb = args.object_store_mb or (WEIGHT_SYNC_OBJECT_STORE_MB if WEIGHT_SYNC in suites else 2048)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -206,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     meta: Dict[str, Any] = {"machine": machine_info(), "cluster": cluster, "argv": sys.argv[1:],
                             "config": {"suites": suites, "sizes": sizes, "world_sizes": world_sizes,
                                        "backends": config.backends, "quick": config.quick}}
-    if WEIGHT_SYNC in suites:
+    if WEIGHT_SYNC in suites or SHARDED_SYNC in suites:
         meta["config"]["weight_sync"] = {"scale": config.weight_sync_scale, "workers": config.weight_sync_workers,
                                          "model": shape.describe(), "model_bytes": shape.nbytes}
     rows: List[Dict[str, Any]] = []
@@ -235,12 +248,15 @@ def run(args: argparse.Namespace) -> int:
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
-        weight_sync_targets(rows) if WEIGHT_SYNC in suites else [])
+        weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows)
     write_json(json_path, meta, rows)
-    sized = [r for r in rows if r["suite"] != WEIGHT_SYNC]  # the weight-sync rows have a table of their own
+    sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC)]  # those two have tables of their own
     synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
+    sharded = [r for r in rows if r["suite"] == SHARDED_SYNC]
     json_path.with_suffix(".md").write_text(format_markdown(meta, sized, sizes) + "\n"
-                                            + (weight_sync_markdown(synced) + "\n" if synced else ""))
+                                            + (weight_sync_markdown(synced) + "\n" if synced else "")
+                                            + (sharded_sync_markdown(sharded, meta["targets"]) + "\n" if sharded
+                                               else ""))
     png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, meta["targets"])
     ws_png = None if args.no_png or not synced else write_weight_sync_png(
         json_path.with_name(json_path.stem + "-weight-sync.png"), synced)
@@ -248,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(sized, sizes))
     if synced:
         print(format_weight_sync(synced))
+    if sharded:
+        print(format_sharded_sync(sharded))
     ratios = compare(rows)
     if ratios:
         print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))

@@ -146,6 +146,38 @@ def test_weight_sync_suite_tiny(tmp_path: Path) -> None:
     assert path.with_name(path.stem + "-weight-sync.png").stat().st_size > 1000
 
 
+def test_sharded_sync_layout_and_byte_check() -> None:
+    """The engines' wants cover the model (norms once per TP rank), and the check that ends every row fails on one
+    wrong byte in any engine target (run in this process: no Ray)."""
+    from benchmarks._sharded_sync_actor import ShardedActor, WrongMarkerError
+    from benchmarks._sharded_sync_model import engine_wants, narrow_into, pattern, target_bytes, trainer_rows
+    from benchmarks._weight_sync import model_shape
+
+    shape = model_shape(0.004)
+    shapes = dict(shape.shapes())
+    norms = sum(2 * s[0] for n, s in shapes.items() if "norm" in n)
+    assert sum(target_bytes(engine_wants(shape, 2, r)) for r in range(2)) == shape.nbytes + norms
+    rows = [trainer_rows(shape, 4, r) for r in range(4)]
+    assert all(sum(r[name][2] for r in rows if name in r) == s[0] for name, s in shapes.items())
+    full = {name: pattern(tuple((0, d) for d in s), s, 3) for name, s in shapes.items()}
+    engine = ShardedActor()
+    engine.setup_engine(engine_wants(shape, 2, 1), shapes, staging=False, loader=False)
+    for name, _, regions in engine.wants:
+        narrow_into(engine.targets[name], regions, full, name)
+    assert engine.check(3) == 3.0 and engine.check_all(3) == target_bytes(engine.wants)
+    o_proj = engine.targets["model.layers.0.self_attn.o_proj.weight"]
+    o_proj[1, 1] += 1
+    engine.check(3)  # three elements per region: this one is not among them
+    with pytest.raises(WrongMarkerError, match="o_proj"):
+        engine.check_all(3)
+    with pytest.raises(WrongMarkerError):
+        engine.check(4)  # a stale step
+    from benchmarks._mechanism import comparable
+
+    assert comparable("shm-direct", "cma") and comparable("whole:gloo", "gloo")  # the loader's labels, by class
+    assert not comparable("whole:gloo", "nixl")
+
+
 def test_weight_sync_model_shape() -> None:
     """The default model has Qwen2.5-0.5B's shapes: 290 tensors, 494 M parameters, 988 MB in bf16."""
     from benchmarks._weight_sync import model_shape
@@ -179,6 +211,64 @@ def test_weight_sync_wrong_marker_is_an_error(ray_cluster) -> None:
             ray.get(worker.load.remote(stale, 7.0), timeout=60)
     finally:
         ray.kill(worker)
+
+
+@pytest.mark.timeout(200)
+def test_sharded_sync_suite_tiny(ray_cluster) -> None:
+    """The sharded-sync suite at the smallest scale with one of its rows (rdt sharded over shm, in 8 fresh actors;
+    each more row costs 10-20 s here), run in this module's cluster as rdt-bench runs it: every row and every target
+    of the suite is in the report (the others as not selected, the 200-step soak as not run), the row received
+    exactly its targets' bytes over exact runs, and every byte of every engine's targets was compared with the
+    trainers' values. rdt-bench runs the suite by default and counts its cases in the progress report."""
+    import io
+
+    from benchmarks._collectives import BenchConfig, BenchContext
+    from benchmarks._progress import Progress
+    from benchmarks._sharded_sync import CASES, NOT_SELECTED, sharded_sync_suite
+    from benchmarks._sharded_sync_model import engine_wants, target_bytes
+    from benchmarks._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
+    from benchmarks._weight_sync import model_shape
+    from benchmarks.rdt_bench import DEFAULT_SUITES, build_parser, run_plan
+
+    run = ["rdt-sharded-shm"]
+    args = build_parser().parse_args(["--sharded-sync-rows", ",".join(run)])
+    assert "sharded-sync" in DEFAULT_SUITES.split(",") and args.sharded_sync_rows == ",".join(run)
+    config = BenchConfig(sizes=[], world_sizes=[], backends=[], iters=1, weight_sync_scale=0.004,
+                         sharded_sync_rows=run)
+    ctx = BenchContext(config=config, pool=None)  # type: ignore[arg-type] - the suite starts its own actors
+    stream = io.StringIO()
+    with Progress(run_plan(ctx, ["sharded-sync"]), stream=stream, tty=False) as ctx.progress:
+        ctx.progress.start_suite("sharded-sync")
+        rows = sharded_sync_suite(ctx)
+        assert ctx.progress.cases_done == ctx.progress.cases_total == 2 and not ctx.progress.skipped, stream.getvalue()
+    shape = model_shape(0.004)
+    targets = [target_bytes(engine_wants(shape, 2, i % 2)) for i in range(4)]
+    by = {r["impl"]: r for r in rows}
+    assert list(by) == [c.impl for c in CASES] + ["rdt-sharded-soak"]
+    for impl, r in by.items():
+        if impl in run:
+            assert "error" not in r, r
+            assert r["target_bytes"] == targets and r["bytes_checked"] == sum(targets), r  # every byte compared
+            assert len(r["trainer_rss_peak_bytes"]) == 4 and len(r["engine_uss_growth_bytes"]) == 4, r
+            assert r["seconds"] > 0 and len(r["times_s"]) == 1, r
+        elif impl != "rdt-sharded-soak":
+            assert r["error"] == NOT_SELECTED and "seconds" not in r, r
+    assert by["rdt-sharded-soak"]["error"].startswith("not run"), by["rdt-sharded-soak"]  # never a made-up pass
+    shm = by["rdt-sharded-shm"]
+    direct = _cma_expected() == "cma"
+    assert shm["mechanism"] == "shm-direct" if direct else shm["mechanism"].startswith("whole:"), shm
+    if direct:  # exact runs: the bytes received are the targets' bytes, counted by rdt in each engine
+        assert shm["read_mode"] == "exact runs" and shm["bytes_received"] == targets, shm
+    assert shm["planned_steps"] == 4 and all(o > 0 for o in shm["replay_overhead_s"]), shm  # one plan per engine
+    got = {t["target"]: t for t in sharded_sync_targets(rows)}
+    assert len(got) == 4 * 2 + 2 + 4 + 4 + 1, sorted(got)
+    for name, t in got.items():
+        measured = "rdt-sharded-shm:" in name and "rdt-whole" not in name
+        assert isinstance(t["met"], bool) if measured else t["met"] is None and "not run" in t["status"], t
+    assert got["sharded-sync rdt-sharded-shm: bytes received per consumer <= 1.01x its targets"]["met"] is direct
+    assert "hand-written: one ray.util.collective" in format_sharded_sync(rows)  # the schemes are described
+    md = sharded_sync_markdown(rows, list(got.values()))
+    assert "### sharded-sync" in md and all(name in md for name in got)
 
 
 def _check_labels(rows: List[Dict[str, Any]]) -> None:

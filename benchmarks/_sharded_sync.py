@@ -1,0 +1,337 @@
+"""The sharded-sync suite (issue 30): 4 trainer ranks each hold ``Shard(0)`` of every parameter of Qwen2.5-0.5B's
+shapes in bf16; 2 engines x tensor-parallel 2 = 4 engine ranks each want their slices in vLLM's Qwen2 layout
+(:mod:`._sharded_sync_model`). A step ends when all 4 engine ranks hold the new weights and includes whatever
+gathering a row needs. Every row runs in 8 fresh actors (Ray's torch Gloo groups use the process's default group,
+so rows cannot share processes), side by side in one run:
+
+- ``hand-written``: one ``ray.util.collective`` Gloo group of all 8 actors; for every parameter, every trainer rank
+  in turn broadcasts its rows (4 x 290 broadcasts a step; the other trainer ranks receive them into a scratch
+  buffer, as a broadcast goes to the whole group); each engine rank receives the rows into the whole model and
+  narrows its targets out of it;
+- ``ray-rdt``: Ray's built-in RDT over its torch Gloo group: trainer ranks 1-3 return their shards with
+  ``@ray.method(tensor_transport="gloo")`` to rank 0 (the gather), rank 0 returns the whole model the same way,
+  and each engine rank receives it as a task argument and narrows;
+- ``rdt-whole-<t>``: rdt's whole-object path over transport t: ranks 1-3 ``rdt.put`` their shards, rank 0
+  ``rdt.get(into=)`` them straight into its rows of the whole model and ``rdt.put``s it; each engine rank
+  ``rdt.get(into=)`` the whole model, then narrows;
+- ``rdt-sharded-<t>``: ``rdt.put_shards`` on each trainer rank, the driver's ``rdt.Manifest``, and each engine
+  rank's ``rdt.WeightLoader.load`` (its mechanism is the loader's report: ``shm-direct``, ``nixl``, or
+  ``whole:<path>`` where the transport is served by the whole-fetch fallback).
+
+After the timed steps one more step runs with every actor sampling its RSS and private memory (rdt's pools off),
+then every byte of every engine target is compared with the values the trainers hold.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import ray
+
+import rdt
+
+from ._cluster import log
+from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
+from ._mechanism import object_mechanism
+from ._sharded_sync_actor import actor_class
+from ._sharded_sync_model import MAX_STEPS, engine_wants, trainer_rows
+from ._weight_sync import ModelShape, _error, model_shape
+
+SUITE = "sharded-sync"
+TRAINERS, ENGINES, TP = 4, 2, 2
+TRANSPORTS = ("shm", "nixl", "gloo", "auto")
+POOL_BYTES = 1 << 30
+SOAK_STEPS = 200
+SOAK_NOT_RUN = "not run: needs verify"
+NOT_SELECTED = "not run: not selected (--sharded-sync-rows)"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: ``kind`` is hand / ray-rdt / whole / sharded; ``transport`` for rdt's rows."""
+
+    impl: str
+    kind: str
+    transport: str = ""
+
+    @property
+    def is_rdt(self) -> bool:
+        return self.kind in ("whole", "sharded")
+
+
+CASES: Tuple[Case, ...] = (
+    Case("hand-written", "hand"),
+    Case("ray-rdt", "ray-rdt"),
+    *(Case(f"rdt-whole-{t}", "whole", t) for t in TRANSPORTS),
+    *(Case(f"rdt-sharded-{t}", "sharded", t) for t in TRANSPORTS),
+)
+
+
+def iterations(config: Any) -> Tuple[int, int]:
+    """(warm-up, timed steps): few, since a full-size step moves the model several times over."""
+    warmup = config.warmup if config.warmup is not None else 1
+    return warmup, config.iters or 3
+
+
+class Row:
+    """Eight fresh actors for one case: trainer ranks 0-3 and engine ranks 0-3 (engine e, TP rank r is 2e + r),
+    with the groups the case needs."""
+
+    def __init__(self, shape: ModelShape, case: Case, group_timeout: float) -> None:
+        self.shape, self.case = shape, case
+        self.rows = [trainer_rows(shape, TRAINERS, r) for r in range(TRAINERS)]
+        self.wants = [engine_wants(shape, TP, i % TP) for i in range(ENGINES * TP)]
+        self.shapes = dict(shape.shapes())
+        cls = actor_class()
+        self.trainers = [cls.remote() for _ in range(TRAINERS)]
+        self.engines = [cls.remote() for _ in range(ENGINES * TP)]
+        self.everyone = self.trainers + self.engines
+        self.timeout = 120.0 + shape.nbytes * 8 / 50e6
+        self.group: Any = None
+        self.col_group = ""
+        try:
+            gather = case.kind in ("whole", "ray-rdt")
+            infos = ray.get([t.setup_trainer.remote(r, self.rows[r], gather and r == 0)
+                             for r, t in enumerate(self.trainers)]
+                            + [e.setup_engine.remote(w, self.shapes, case.kind != "sharded", case.kind == "sharded")
+                               for e, w in zip(self.engines, self.wants)], timeout=120 + self.timeout)
+            self._groups(group_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.shard_bytes = [i["shard_bytes"] for i in infos[:TRAINERS]]
+        self.target_bytes = [i["target_bytes"] for i in infos[TRAINERS:]]
+        self.order = [(name, [(r, self.rows[r][name][1], self.rows[r][name][2]) for r in range(TRAINERS)
+                              if name in self.rows[r]]) for name, _ in shape.shapes()]
+        self.gather_rows = [{name: (s, n) for name, (_, s, n) in self.rows[r].items()} for r in range(1, TRAINERS)]
+        self.k = 0
+
+    def _groups(self, group_timeout: float) -> None:
+        if self.case.kind == "hand":
+            self.col_group = f"sharded-bcast-{uuid.uuid4().hex[:8]}"
+            ray.get([a.col_join.remote(len(self.everyone), r, self.col_group, int(group_timeout * 1000))
+                     for r, a in enumerate(self.everyone)], timeout=group_timeout + 30)
+        elif self.case.kind == "ray-rdt":
+            from ray.experimental.collective import create_collective_group
+
+            create_collective_group(self.everyone, backend="torch_gloo")
+        elif self.case.transport == "gloo":
+            self.group = rdt.create_collective_group(self.everyone, backend="gloo", timeout=group_timeout)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> Tuple[float, List[Dict[str, Any]]]:
+        """The trainers' untimed in-place update, then one timed sync; (seconds, each engine's load report for
+        the sharded rows)."""
+        ray.get([t.update.remote(self.case.is_rdt, self.timeout) for t in self.trainers], timeout=self.timeout)
+        self.k += 1
+        k, case, to = self.k, self.case, self.timeout
+        t0 = time.perf_counter()
+        reports: List[Dict[str, Any]] = []
+        if case.kind == "hand":
+            ray.get([t.bcast_trainer.remote(self.col_group, TRAINERS, self.order) for t in self.trainers]
+                    + [e.bcast_engine.remote(self.col_group, self.order, k) for e in self.engines], timeout=to)
+        elif case.kind == "ray-rdt":
+            parts = [t.ray_rdt_shard.remote() for t in self.trainers[1:]]
+            gathered = self.trainers[0].ray_rdt_gather.remote(self.gather_rows, *parts)
+            full = self.trainers[0].ray_rdt_full.remote()
+            ray.get([gathered] + [e.ray_rdt_load.remote(full, k) for e in self.engines], timeout=to)
+            del parts, full
+        elif case.kind == "whole":
+            refs = [r for box in ray.get([t.put_shard.remote(case.transport) for t in self.trainers[1:]], timeout=to)
+                    for r in box]
+            (full,) = ray.get(self.trainers[0].gather_put.remote(refs, self.gather_rows, case.transport, to),
+                              timeout=to)
+            ray.get([e.whole_load.remote([full], k, to) for e in self.engines], timeout=to)
+            del refs, full
+        else:
+            manifest = rdt.Manifest(ray.get([t.publish_shards.remote(k, case.transport) for t in self.trainers],
+                                            timeout=to))
+            reports = ray.get([e.sharded_load.remote(manifest, k, to) for e in self.engines], timeout=to)
+            del manifest
+        return time.perf_counter() - t0, reports
+
+    def memory_step(self) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+        """One more step with every actor sampling its RSS and USS (rdt's pools off: fresh buffers count)."""
+        ray.get([a.configure.remote(pool_bytes=0) for a in self.everyone], timeout=60)
+        try:
+            ray.get([a.memory_start.remote() for a in self.everyone], timeout=60)
+            try:
+                _, reports = self.step()
+            finally:
+                mem = ray.get([a.memory_stop.remote() for a in self.everyone], timeout=60)
+        finally:
+            ray.get([a.configure.remote(pool_bytes=POOL_BYTES) for a in self.everyone], timeout=60)
+        t, e = mem[:TRAINERS], mem[TRAINERS:]
+        return {"trainer_rss_peak_bytes": [m["rss_peak"] for m in t],
+                "trainer_uss_growth_bytes": [m["uss_peak"] - m["uss_before"] for m in t],
+                "engine_rss_peak_bytes": [m["rss_peak"] for m in e],
+                "engine_uss_growth_bytes": [m["uss_peak"] - m["uss_before"] for m in e]}, reports
+
+    def check_all(self) -> int:
+        """Every byte of every engine's targets against the trainers' values; bytes compared."""
+        return sum(ray.get([e.check_all.remote(self.k) for e in self.engines], timeout=self.timeout))
+
+    def stats(self) -> List[Dict[str, Any]]:
+        """rdt.stats() of trainer rank 0 and every engine rank."""
+        return [rdt.stats(a, timeout=30) for a in [self.trainers[0]] + self.engines]
+
+    def close(self) -> None:
+        """Destroy rdt's group and kill the actors (Ray's groups go with their processes)."""
+        if self.group is not None:
+            try:
+                rdt.destroy_collective_group(self.group, timeout=30)
+            except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
+                log(f"{SUITE} {self.case.impl}: destroying the rdt group failed: {_error(e)}")
+            self.group = None
+        for a in self.everyone:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+
+
+# ---------------------------------------------------------------------- rows
+def _base_row(shape: ModelShape, case: Case) -> Dict[str, Any]:
+    return {"suite": SUITE, "impl": case.impl, "kind": case.kind, "transport": case.transport, "mode": "sync",
+            "world_size": TRAINERS + ENGINES * TP, "trainers": TRAINERS, "engines": ENGINES, "tp": TP,
+            "size": shape.nbytes, "tensors": len(shape.shapes()), "params": shape.params, "scale": shape.scale,
+            "family": "rdt" if case.is_rdt else "baseline", "mechanism": "?"}
+
+
+def _timing(times: List[float]) -> Dict[str, Any]:
+    med, best = statistics.median(times), min(times)
+    return {"seconds": med, "seconds_best": best, "seconds_min": best, "latency_us": med * 1e6,
+            "iters": len(times), "times_s": [round(t, 6) for t in times]}
+
+
+def _mechanism(case: Case, before: List[Dict[str, Any]], after: List[Dict[str, Any]],
+               reports: List[List[Dict[str, Any]]]) -> str:
+    """What served the row: the baselines' fixed paths, the whole-object fetch read from rdt.stats() of the
+    engines and trainer rank 0, or the loader's reported path per trainer rank."""
+    if case.kind == "hand":
+        return "gloo (ray.util.collective)"
+    if case.kind == "ray-rdt":
+        return "ray-rdt (gloo)"
+    if case.kind == "whole":
+        labels = {object_mechanism(case.transport, b, a, before[0], after[0]) for b, a in zip(before[1:], after[1:])}
+    else:
+        labels = {p for step in reports for rep in step for p in rep["paths"].values()}
+    return "/".join(sorted(labels)) or "?"
+
+
+def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], sampled: List[Dict[str, Any]]) -> None:
+    """Per engine: bytes received per step (rdt's counters, every step), the load's own cost on the replayed steps
+    before the memory step (its sampling thread would be counted), the plan's first load."""
+    reports = timed + [sampled]
+    n = len(reports[0])
+    replays = [[s[i] for s in timed if not s[i]["planned"]] for i in range(n)]
+    row["bytes_received"] = [max(r["received"] for r in (s[i] for s in reports)) for i in range(n)]
+    row["bytes_landed"] = [reports[0][i]["nbytes"] for i in range(n)]
+    row["read_mode"] = "/".join(sorted({r["mode"] for s in reports for r in s}))
+    row["planned_steps"] = sum(1 for s in reports for r in s if r["planned"])
+    over = [[r["overhead_s"] for r in rs if r["overhead_s"] is not None] for rs in replays]
+    row["replay_overhead_s"] = [statistics.median(o) if o else None for o in over]
+    row["plan_overhead_s"] = [next((r["overhead_s"] for s in reports for r in [s[i]] if r["planned"]), None)
+                              for i in range(n)]
+
+
+def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float) -> Dict[str, Any]:
+    """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case; an error row when it
+    fails (a wrong byte lands here too)."""
+    row = _base_row(shape, case)
+    if warmup + iters + 2 >= MAX_STEPS:
+        row["error"] = f"at most {MAX_STEPS - 3} steps (warm-up + timed) per row"
+        return row
+    t0 = time.monotonic()
+    try:
+        world = Row(shape, case, group_timeout)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"setup: {_error(e)}"
+        log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
+        return row
+    try:
+        row["setup_s"] = round(time.monotonic() - t0, 2)
+        row["shard_bytes"], row["target_bytes"] = world.shard_bytes, world.target_bytes
+        before = world.stats() if case.is_rdt else []
+        times, reports = [], []
+        for i in range(warmup + iters):
+            dt, reps = world.step()
+            reports.append(reps)
+            if i >= warmup:
+                times.append(dt)
+        after = world.stats() if case.is_rdt else []
+        row.update(_timing(times))
+        if case.kind == "whole":
+            got = [sum(int(v.get("in_bytes", 0)) for v in (a.get("transfers") or {}).values())
+                   - sum(int(v.get("in_bytes", 0)) for v in (b.get("transfers") or {}).values())
+                   for b, a in zip(before[1:], after[1:])]
+            row["bytes_received"] = [g // (warmup + iters) for g in got]
+        elif case.kind != "sharded":
+            row["bytes_received"] = [shape.nbytes] * len(world.engines)  # the whole model, by construction
+            row["bytes_received_computed"] = True
+        mem, last = world.memory_step()
+        row.update(mem)
+        if case.kind == "sharded":
+            _sharded_fields(row, reports, last)
+        row["mechanism"] = _mechanism(case, before, after, reports + [last])
+        row["bytes_checked"] = world.check_all()
+        log(f"{SUITE} {case.impl:<18} median {row['seconds'] * 1e3:9.1f} ms  received/targets "
+            f"{max(r / t for r, t in zip(row['bytes_received'], row['target_bytes'])):.3f}x  trainer USS +"
+            f"{max(row['trainer_uss_growth_bytes']) / 1e6:.1f} MB  peak RSS trainer/engine "
+            f"{max(row['trainer_rss_peak_bytes']) / 1e6:.0f}/{max(row['engine_rss_peak_bytes']) / 1e6:.0f} MB  "
+            f"[{row['mechanism']}]")
+    except Exception as e:  # noqa: BLE001 - record and go on
+        row["error"] = _error(e)
+        log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
+    finally:
+        world.close()
+    return row
+
+
+def soak_row(shape: ModelShape) -> Dict[str, Any]:
+    """The place of issue 30's '200 steps with in-place updates concurrent with pulls, verify on: 0 torn reads'.
+    It needs the loader's ``verify=`` and the version fence; until this build has them it is reported as not run
+    (never a made-up pass)."""
+    row = _base_row(shape, Case("rdt-sharded-soak", "soak"))
+    row.update(mode=f"soak-{SOAK_STEPS}", steps=SOAK_STEPS)
+    has_verify = "verify" in inspect.signature(rdt.WeightLoader.load).parameters
+    row["error"] = SOAK_NOT_RUN if not has_verify else "not run: verify exists in this build; the soak is not " \
+        "written yet (benchmarks/_sharded_sync.py: soak_row)"
+    return row
+
+
+def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
+    """Every case in its own fresh actors, then the soak's row."""
+    config = ctx.config
+    shape = model_shape(config.weight_sync_scale)
+    warmup, iters = iterations(config)
+    log(f"{SUITE}: {shape.describe()}; {TRAINERS} trainer ranks (Shard(0)) -> {ENGINES} engines x TP {TP}; "
+        f"{warmup} warm-up + {iters} timed steps per row, fresh actors per row")
+    rows = []
+    chosen = getattr(config, "sharded_sync_rows", None)
+    for case in CASES:
+        if chosen is not None and case.impl not in chosen:
+            rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
+            continue
+        rows.append(run_case(shape, case, warmup, iters, config.group_timeout))
+        ctx.progress.done((SUITE, case.impl))
+    rows.append(soak_row(shape))
+    ctx.progress.done((SUITE, "soak"))
+    return rows
+
+
+def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
+    """Progress keys and rough costs: each case (8 actors, the model allocated, its steps), and the soak."""
+    nbytes = model_shape(config.weight_sync_scale).nbytes
+    warmup, iters = iterations(config)
+    setup = EST_SETUP_S * (TRAINERS + ENGINES * TP) + 3 * nbytes / EST_BYTES_PER_S
+    copies = {"hand": 8, "ray-rdt": 10, "whole": 6, "sharded": 1}
+    chosen = getattr(config, "sharded_sync_rows", None)
+    return [((SUITE, c.impl), setup + estimate_s(warmup + iters + 2, nbytes * copies[c.kind], 1)) for c in CASES
+            if chosen is None or c.impl in chosen] \
+        + [((SUITE, "soak"), 0.0)]
