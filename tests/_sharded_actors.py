@@ -165,3 +165,14 @@ class Consumer:
 
     def targets_now(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.targets.items()}
+
+    def move_targets(self) -> None:
+        """Every target onto new storage (same tensor objects, new data pointers), filled with -1."""
+        for t in self.targets.values():
+            t.set_(torch.full_like(t, -1.0))
+
+    def reader_threads(self) -> List[int]:
+        """The OS thread ids of the loader's reading threads alive now."""
+        import threading
+
+        return sorted(t.native_id for t in threading.enumerate() if t.name.startswith("rdt-shards"))

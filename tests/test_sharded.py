@@ -78,6 +78,20 @@ def test_shm_pulls_only_the_wanted_bytes_and_replays_the_plan(trainers, consumer
         assert not out["report"].planned and out["plans"] == 1 and out["replays"] == 1
 
 
+def test_a_replay_reuses_its_threads_and_follows_moved_targets(trainers, consumers):
+    """Failed before: every load made (and joined) its own pool of reading threads. A replay keeps the plan's
+    derived arrays; a target moved to new storage gets its new address, and a new publication's own addresses."""
+    _load(consumers, _manifest(trainers, "shm"))
+    threads = ray.get([c.reader_threads.remote() for c in consumers])
+    assert all(threads), threads  # the pool outlives the load
+    ray.get([c.move_targets.remote() for c in consumers])
+    manifest = _manifest(trainers, "shm")  # a new publication: new objects, their own buffers
+    for r, out in enumerate(_load(consumers, manifest)):
+        _check(out, r, manifest.version)
+        assert not out["report"].planned
+    assert ray.get([c.reader_threads.remote() for c in consumers]) == threads
+
+
 @pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
 def test_nixl_reads_the_ranges(trainers, consumers):
     outs = _load(consumers, _manifest(trainers, "nixl"))

@@ -4,6 +4,8 @@ and on every ``load(manifest)`` reads exactly those ranges from all ranks at onc
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +22,9 @@ from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
 
 MAX_PARALLEL = 16  # producer ranks read from at once
+_ITEMSIZE: Dict[str, int] = {}  # dtype name -> bytes per element
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
 
 
 @dataclass
@@ -43,6 +48,31 @@ class _Pulls:
     target: np.ndarray
     dst: np.ndarray
     n: np.ndarray
+    used: Tuple[int, ...] = ()  # the targets these runs land in, ascending
+    nbytes: int = 0
+
+
+@dataclass
+class _Plan:
+    """Everything a load derives from the wants and the manifest's layout, made once and replayed: the pulls per
+    rank, the tensors the bytes land in, and the runs' destination addresses for the targets' current storage
+    (recomputed when a target's storage moved). Source addresses are never kept: they come from each new
+    publication's metadata."""
+
+    key: Any
+    pulls: List[_Pulls]
+    keep: List[torch.Tensor]
+    nbytes: int
+    addrs: Optional[np.ndarray] = None
+    dst_addrs: List[np.ndarray] = field(default_factory=list)
+
+    def destinations(self) -> List[np.ndarray]:
+        """Per rank, each run's destination address; recomputed only when a target's data pointer changed."""
+        addrs = np.fromiter((t.data_ptr() for t in self.keep), dtype=np.uint64, count=len(self.keep))
+        if self.addrs is None or not np.array_equal(addrs, self.addrs):
+            self.dst_addrs = [addrs[p.target] + p.dst.astype(np.uint64) for p in self.pulls]
+            self.addrs = addrs
+        return self.dst_addrs
 
 
 @dataclass
@@ -70,7 +100,7 @@ class WeightLoader:
 
     def __init__(self) -> None:
         self._wants: List[_Want] = []
-        self._plan: Optional[Tuple[Any, List[_Pulls]]] = None  # (manifest layout key, pulls per rank)
+        self._plan: Optional[_Plan] = None  # made for one manifest layout key and these wants
         self.plans = 0  # plans made (a changed layout or new wants make a new one)
         self.replays = 0  # loads that reused the plan
 
@@ -112,28 +142,55 @@ class WeightLoader:
             raise InvalidArgumentError(f"verify must be True or False, got {verify!r}", hint="pass verify=True")
         start = time.monotonic()
         deadline = start + timeout
-        _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
-        planned = self._plan is None or self._plan[0] != manifest.layout_key
+        plan = self._plan
+        planned = plan is None or plan.key != manifest.layout_key
         if planned:
-            self._plan = (manifest.layout_key, _make_plan(self._wants, manifest))
+            _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
+            plan = self._plan = _new_plan(self._wants, manifest)
             self.plans += 1
         else:
+            _targets_free(plan.keep, timeout)
             self.replays += 1
-        pulls = self._plan[1]
         by_rank = {s.rank: s for s in manifest.shards}
-        addrs = np.array([(w.landing if w.landing is not None else w.target).data_ptr() for w in self._wants],
-                         dtype=np.uint64)
-        keep = [w.landing if w.landing is not None else w.target for w in self._wants]
-        report = LoadReport(manifest.version, planned, int(sum(int(p.n.sum()) for p in pulls)))
-        check = verify_with([w.name for w in self._wants], keep, deadline) if verify else None
-        with ThreadPoolExecutor(max(min(MAX_PARALLEL, len(pulls)), 1), thread_name_prefix="rdt-shards") as pool:
-            _read_all(pool, pulls, by_rank, lambda p: _pull(by_rank[p.rank], p, addrs, keep, deadline, check),
-                      deadline, report)
+        dsts = dict(zip((p.rank for p in plan.pulls), plan.destinations()))
+        report = LoadReport(manifest.version, planned, plan.nbytes)
+        check = verify_with([w.name for w in self._wants], plan.keep, deadline) if verify else None
+        _read_all(_executor(), plan.pulls, by_rank,
+                  lambda p: _pull(by_rank[p.rank], p, dsts[p.rank], plan.keep, deadline, check), deadline, report)
         for w in self._wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
         report.seconds = time.monotonic() - start
         return report
+
+
+def _new_plan(wants: List[_Want], manifest: Manifest) -> _Plan:
+    """The plan of ``wants`` against ``manifest``'s layout, with what every replay derives from it."""
+    pulls = _make_plan(wants, manifest)
+    for p in pulls:
+        p.used = tuple(np.unique(p.target).tolist())
+        p.nbytes = int(p.n.sum())
+    keep = [w.landing if w.landing is not None else w.target for w in wants]
+    return _Plan(manifest.layout_key, pulls, keep, sum(p.nbytes for p in pulls))
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process's pool of reading threads (bounded, made once; loads only wait on it, never nest in it)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_PARALLEL, thread_name_prefix="rdt-shards")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """A forked child has none of its parent's threads: it makes its own pool."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -314,28 +371,39 @@ def verify_with(names: List[str], keep: List[torch.Tensor], deadline: float) -> 
     return check
 
 
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as metadata names it (looked up once per dtype)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
+
+
 def _sources(meta: ObjectMeta, pulls: _Pulls) -> Tuple[np.ndarray, np.ndarray]:
-    """Per run, the producer buffer it is read from and the byte offset in that buffer."""
-    specs = meta.specs
-    buf = np.array([specs[i].buffer for i in range(len(specs))], np.int64)
-    base = np.array([specs[i].offset * torch.empty((), dtype=getattr(torch, specs[i].dtype)).element_size()
-                     for i in range(len(specs))], np.int64)
+    """Per run, the producer buffer it is read from and the byte offset in that buffer, from this publication's
+    own metadata (never kept across publications)."""
+    specs = meta.specs  # columns: read them as arrays, no TensorSpec made per leaf
+    size = np.array([_itemsize(name) for name in specs.names], np.int64)
+    buf = np.asarray(specs.buffer, np.int64)
+    base = np.asarray(specs.offset, np.int64) * size[np.asarray(specs.dtype, np.int64)]
     return buf[pulls.leaf], base[pulls.leaf] + pulls.src
 
 
-def _pull(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float,
+def _pull(shards: Shards, pulls: _Pulls, dst: np.ndarray, keep: List[torch.Tensor], deadline: float,
           check: Optional[Callable[..., int]] = None) -> Tuple[str, int, float]:
-    """Land one rank's runs, then check them when asked: (label of the path that served, bytes checked, seconds
-    the check took). Errors name the rank."""
-    label = _land(shards, pulls, addrs, keep, deadline)
+    """Land one rank's runs (``dst``: each run's destination address), then check them when asked: (label of the
+    path that served, bytes checked, seconds the check took). Errors name the rank."""
+    buf, off = _sources(shards.meta, pulls)
+    label = _land(shards, pulls, buf, off, dst, keep, deadline)
     if check is None or label == "whole:inline":  # inline: the bytes are the manifest's own copy
         return label, 0, 0.0
     t0 = time.monotonic()
-    checked = check(shards, pulls, *_sources(shards.meta, pulls))
+    checked = check(shards, pulls, buf, off)
     return label, checked, time.monotonic() - t0
 
 
-def _land(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Tensor], deadline: float) -> str:
+def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: np.ndarray,
+          keep: List[torch.Tensor], deadline: float) -> str:
     """Land one rank's runs; the label of the path that served. Errors name the rank."""
     from .. import transports
     from .._process.context import get_context
@@ -343,9 +411,7 @@ def _land(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Ten
 
     meta: ObjectMeta = shards.meta
     ctx = get_context()
-    buf, off = _sources(meta, pulls)
-    ranges = transports.Ranges(buf, off, addrs[pulls.target] + pulls.dst.astype(np.uint64), pulls.n,
-                               [keep[i] for i in sorted(set(pulls.target.tolist()))])
+    ranges = transports.Ranges(buf, off, dst, pulls.n, [keep[i] for i in pulls.used])
     same_node = meta.producer.node_id == node_id()
     names = [n for n, _ in meta.exports]
     names += [meta.transport] if meta.transport != "auto" else [t.name for t in transports.auto_chain()]
@@ -353,7 +419,7 @@ def _land(shards: Shards, pulls: _Pulls, addrs: np.ndarray, keep: List[torch.Ten
         for name in dict.fromkeys(names):
             label = transports.get(name).read_ranges(ctx, meta, ranges, same_node, deadline)
             if label is not None:
-                ctx.stats.add(name, "in", int(pulls.n.sum()), path=label)
+                ctx.stats.add(name, "in", pulls.nbytes, path=label)
                 return label
         return _whole(ctx, meta, ranges, deadline)
     except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
