@@ -24,12 +24,12 @@ then every byte of every engine target is compared with the values the trainers 
 
 from __future__ import annotations
 
-import inspect
+import random
 import statistics
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
@@ -47,7 +47,9 @@ TRAINERS, ENGINES, TP = 4, 2, 2
 TRANSPORTS = ("shm", "nixl", "gloo", "auto")
 POOL_BYTES = 1 << 30
 SOAK_STEPS = 200
-SOAK_NOT_RUN = "not run: needs verify"
+SOAK_TRANSPORT = "shm"
+SOAK_VERSION0 = 1000  # the soak publishes versions 1000 + step (above the timed steps' versions)
+SOAK_HOST = "rdt-sharded-shm"  # the soak runs on this row's actors, after its timed steps
 NOT_SELECTED = "not run: not selected (--sharded-sync-rows)"
 
 
@@ -226,7 +228,8 @@ def _mechanism(case: Case, before: List[Dict[str, Any]], after: List[Dict[str, A
 
 def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], sampled: List[Dict[str, Any]]) -> None:
     """Per engine: bytes received per step (rdt's counters, every step), the load's own cost on the replayed steps
-    before the memory step (its sampling thread would be counted), the plan's first load."""
+    before the memory step (its sampling thread would be counted) outside the transports' reads and the version
+    begin/end round trips to the trainer ranks (those reported apart), the plan's first load."""
     reports = timed + [sampled]
     n = len(reports[0])
     replays = [[s[i] for s in timed if not s[i]["planned"]] for i in range(n)]
@@ -236,13 +239,17 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
     row["planned_steps"] = sum(1 for s in reports for r in s if r["planned"])
     over = [[r["overhead_s"] for r in rs if r["overhead_s"] is not None] for rs in replays]
     row["replay_overhead_s"] = [statistics.median(o) if o else None for o in over]
+    ctl = [[r["control_s"] for r in rs if r.get("control_s") is not None] for rs in replays]
+    row["replay_control_s"] = [statistics.median(c) if c else None for c in ctl]  # begin/end round trips, apart
     row["plan_overhead_s"] = [next((r["overhead_s"] for s in reports for r in [s[i]] if r["planned"]), None)
                               for i in range(n)]
 
 
-def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float) -> Dict[str, Any]:
-    """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case; an error row when it
-    fails (a wrong byte lands here too)."""
+def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float,
+             then: Optional[Callable[[Row], None]] = None) -> Dict[str, Any]:
+    """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case, then ``then`` on the
+    same actors (the soak; its errors are its own); an error row when the case fails (a wrong byte lands here
+    too)."""
     row = _base_row(shape, case)
     if warmup + iters + 2 >= MAX_STEPS:
         row["error"] = f"at most {MAX_STEPS - 3} steps (warm-up + timed) per row"
@@ -280,6 +287,11 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
             _sharded_fields(row, reports, last)
         row["mechanism"] = _mechanism(case, before, after, reports + [last])
         row["bytes_checked"] = world.check_all()
+        if then is not None:
+            try:
+                then(world)
+            except Exception as e:  # noqa: BLE001 - the soak's failure is its row's, not this case's
+                log(f"{SUITE} soak on {case.impl}'s actors ERROR {_error(e)}")
         log(f"{SUITE} {case.impl:<18} median {row['seconds'] * 1e3:9.1f} ms  received/targets "
             f"{max(r / t for r, t in zip(row['bytes_received'], row['target_bytes'])):.3f}x  trainer USS +"
             f"{max(row['trainer_uss_growth_bytes']) / 1e6:.1f} MB  peak RSS trainer/engine "
@@ -293,15 +305,80 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
     return row
 
 
-def soak_row(shape: ModelShape) -> Dict[str, Any]:
-    """The place of issue 30's '200 steps with in-place updates concurrent with pulls, verify on: 0 torn reads'.
-    It needs the loader's ``verify=`` and the version fence; until this build has them it is reported as not run
-    (never a made-up pass)."""
-    row = _base_row(shape, Case("rdt-sharded-soak", "soak"))
-    row.update(mode=f"soak-{SOAK_STEPS}", steps=SOAK_STEPS)
-    has_verify = "verify" in inspect.signature(rdt.WeightLoader.load).parameters
-    row["error"] = SOAK_NOT_RUN if not has_verify else "not run: verify exists in this build; the soak is not " \
-        "written yet (benchmarks/_sharded_sync.py: soak_row)"
+def soak_steps(scale: float) -> int:
+    """The soak's steps: SOAK_STEPS from a tenth of the model up, fewer below (at least 20)."""
+    return max(20, min(SOAK_STEPS, round(SOAK_STEPS * scale * 10)))
+
+
+def run_soak(world: Row, steps: int) -> Dict[str, Any]:
+    """Issue 30's soak on ``world``'s actors over ``SOAK_TRANSPORT``: every step the trainer ranks publish their
+    version, the engine ranks ``load(manifest, verify=True)`` it while the trainers, after a random "backward
+    pass" of up to 1.5x a load, fence that version and update their weights in place to the next. A load that
+    returned is compared byte for byte with its step's values (a difference is a torn read); VersionGoneError is
+    a legitimate refusal (the fence came first), counted; ChecksumMismatchError is a detected wrong read."""
+    rng = random.Random(30)
+    counts = {"ok": 0, "VersionGoneError": 0, "ChecksumMismatchError": 0, "torn": 0}
+    other: Dict[str, int] = {}
+    first_bad: List[str] = []
+    fence_s: List[float] = []
+    load_s: List[float] = [0.01]
+    t0 = time.monotonic()
+    for _ in range(steps):
+        k = world.k
+        manifest = rdt.Manifest(ray.get([t.soak_publish.remote(SOAK_VERSION0 + k, SOAK_TRANSPORT)
+                                         for t in world.trainers],
+                                        timeout=world.timeout))
+        loads = [e.soak_load.remote(manifest, k, world.timeout) for e in world.engines]
+        most = 1.5 * statistics.median(load_s[-20:])
+        updates = [t.soak_update.remote(rng.uniform(0, most), world.timeout) for t in world.trainers]
+        for kind, msg, seconds in ray.get(loads, timeout=world.timeout):
+            if kind in counts:
+                counts[kind] += 1
+            else:
+                other[kind] = other.get(kind, 0) + 1
+            if kind == "ok":
+                load_s.append(seconds)
+            elif kind != "VersionGoneError" and not first_bad:
+                first_bad.append(f"{kind}: {msg}")
+        fence_s += ray.get(updates, timeout=world.timeout)
+        world.k += 1
+        del manifest
+    return {"steps": steps, "transport": SOAK_TRANSPORT, "seconds": time.monotonic() - t0,
+            "loads": steps * len(world.engines), "loads_landed": counts["ok"],
+            "loads_version_gone": counts["VersionGoneError"], "checksum_mismatches": counts["ChecksumMismatchError"],
+            "torn_reads": counts["torn"], "other_errors": other, "first_bad": first_bad[0] if first_bad else "",
+            "bytes_compared": counts["ok"] * world.target_bytes[0] if len(set(world.target_bytes)) == 1
+            else None, "load_s_median": statistics.median(load_s[1:]) if len(load_s) > 1 else None,
+            "fence_s_max": max(fence_s) if fence_s else None}
+
+
+def _soak_into(out: Dict[str, Any], world: Row, steps: int) -> None:
+    """run_soak's result, or its error, into ``out``."""
+    try:
+        out["result"] = run_soak(world, steps)
+    except Exception as e:  # noqa: BLE001 - reported in the soak's row
+        out["error"] = _error(e)
+
+
+def soak_row(shape: ModelShape, result: Optional[Dict[str, Any]], why: str = "", error: str = "") -> Dict[str, Any]:
+    """Issue 30's '200 steps with in-place updates concurrent with pulls, verify on: 0 torn or wrong reads', as
+    run by :func:`run_soak` on the rdt-sharded-shm row's actors (``result``); ``why`` when it did not run."""
+    row = _base_row(shape, Case("rdt-sharded-soak", "soak", SOAK_TRANSPORT))
+    steps = soak_steps(shape.scale)
+    row.update(mode=f"soak-{steps}", steps=steps, family="rdt")
+    if error:
+        row["error"] = f"soak: {error}"
+        return row
+    if result is None:
+        row["error"] = f"not run: {why or 'it runs on the ' + SOAK_HOST + ' row actors'}"
+        return row
+    row.update(result)
+    row["mechanism"] = f"{SOAK_TRANSPORT}, verify=True"
+    row["wrong_reads"] = result["torn_reads"] + result["checksum_mismatches"]
+    log(f"{SUITE} soak: {steps} steps over {SOAK_TRANSPORT} in {result['seconds']:.1f} s: {result['loads_landed']} "
+        f"loads landed and compared, {result['loads_version_gone']} refused (VersionGoneError), "
+        f"{result['torn_reads']} torn, {result['checksum_mismatches']} checksum mismatches, other errors "
+        f"{result['other_errors'] or 'none'}")
     return row
 
 
@@ -314,13 +391,19 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
         f"{warmup} warm-up + {iters} timed steps per row, fresh actors per row")
     rows = []
     chosen = getattr(config, "sharded_sync_rows", None)
+    soak: Dict[str, Any] = {}
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
             rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
             continue
-        rows.append(run_case(shape, case, warmup, iters, config.group_timeout))
+        host = case.impl == SOAK_HOST
+        rows.append(run_case(shape, case, warmup, iters, config.group_timeout,
+                             (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None))
         ctx.progress.done((SUITE, case.impl))
-    rows.append(soak_row(shape))
+    host_row = next((r for r in rows if r["impl"] == SOAK_HOST), None)
+    why = f"its host row {SOAK_HOST} was not selected" if host_row is None or "error" in host_row and \
+        host_row["error"] == NOT_SELECTED else f"its host row {SOAK_HOST} failed" if "error" in host_row else ""
+    rows.append(soak_row(shape, soak.get("result"), why, soak.get("error", "")))
     ctx.progress.done((SUITE, "soak"))
     return rows
 
@@ -334,4 +417,4 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     chosen = getattr(config, "sharded_sync_rows", None)
     return [((SUITE, c.impl), setup + estimate_s(warmup + iters + 2, nbytes * copies[c.kind], 1)) for c in CASES
             if chosen is None or c.impl in chosen] \
-        + [((SUITE, "soak"), 0.0)]
+        + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * 2 * nbytes / EST_BYTES_PER_S)]

@@ -22,6 +22,7 @@ from ._sharded_sync_model import MAX_STEPS, Want, narrow_into, pattern, region_v
 from ._weight_sync_actor import MemorySampler, WrongMarkerError, _malloc_trim, read_memory
 
 Shape = Tuple[int, ...]
+SOAK_CYCLE = MAX_STEPS - 1  # the soak's values: step 0's + (step % SOAK_CYCLE), below 256 (exact in bf16)
 
 
 class _IoClock:
@@ -31,6 +32,7 @@ class _IoClock:
 
     def __init__(self) -> None:
         self.spans: List[Tuple[float, float]] = []
+        self.control: List[Tuple[float, float]] = []  # the version begin/end round trips to the trainer ranks
         self._lock = threading.Lock()
         self.ok = False
         try:
@@ -56,6 +58,11 @@ class _IoClock:
         transports_mod.get = lambda name: Timed(get(name))  # type: ignore[assignment]
         load_mod._whole = lambda *a, **k: clock.timed(whole, *a, **k)  # type: ignore[attr-defined]
         self.ok = True
+        reads_mod = getattr(load_mod, "reads", None)
+        if reads_mod is not None and hasattr(reads_mod, "begin") and hasattr(reads_mod, "end"):
+            begin, end = reads_mod.begin, reads_mod.end
+            reads_mod.begin = lambda *a, **k: clock.timed_control(begin, *a, **k)
+            reads_mod.end = lambda *a, **k: clock.timed_control(end, *a, **k)
 
     def timed(self, fn: Any, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
@@ -65,16 +72,29 @@ class _IoClock:
             with self._lock:
                 self.spans.append((t0, time.perf_counter()))
 
-    def take(self) -> float:
-        """Seconds covered by the recorded intervals (their union), then forget them."""
+    def timed_control(self, fn: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            with self._lock:
+                self.control.append((t0, time.perf_counter()))
+
+    def take(self) -> Tuple[float, float, float]:
+        """Seconds covered by the reads, by the control round trips, and by either (unions), then forget them."""
         with self._lock:
-            spans, self.spans = sorted(self.spans), []
-        total, end = 0.0, float("-inf")
-        for a, b in spans:
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
+            spans, control, self.spans, self.control = self.spans, self.control, [], []
+        return _union(spans), _union(control), _union(spans + control)
+
+
+def _union(spans: List[Tuple[float, float]]) -> float:
+    """Seconds covered by the intervals together."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 class ShardedActor:
@@ -94,6 +114,8 @@ class ShardedActor:
         self.loader: Any = None
         self.io: Optional[_IoClock] = None
         self.sampler: Optional[MemorySampler] = None
+        self.published: Any = None  # the soak's last publication (a trainer rank)
+        self.soak_ref: Optional[Dict[str, torch.Tensor]] = None  # the soak's step-0 values (an engine rank)
 
     # ------------------------------------------------------------------ set-up
     def setup_trainer(self, rank: int, rows: Dict[str, Tuple[Shape, int, int]], gather: bool) -> Dict[str, int]:
@@ -245,12 +267,60 @@ class ShardedActor:
         t0 = time.perf_counter()
         report = self.loader.load(manifest, timeout=timeout)
         total = time.perf_counter() - t0
-        io = self.io.take() if self.io is not None and self.io.ok else None
+        io, control, either = self.io.take() if self.io is not None and self.io.ok else (None, None, None)
         self.check(step)
         return {"planned": report.planned, "nbytes": report.nbytes, "paths": dict(report.paths),
                 "received": _in_bytes() - before, "seconds": total,
-                "overhead_s": None if io is None else max(total - io, 0.0),
-                "mode": _read_mode(report)}
+                "overhead_s": None if either is None else max(total - either, 0.0),
+                "control_s": control, "mode": _read_mode(report)}
+
+    # ------------------------------------------------------------------ the verify soak
+    def soak_publish(self, version: int, transport: str) -> Any:
+        """The soak, a trainer rank: publish this rank's live shards as ``version`` (kept here, to fence it)."""
+        self.published = rdt.put_shards(self.shards, version=version, layouts=self.layouts, rank=self.rank,
+                                        tensor_transport=transport)
+        return self.published
+
+    def soak_update(self, delay: float, timeout: float) -> float:
+        """The soak, a trainer rank: after ``delay`` s of "backward pass", fence the published version, then the
+        optimizer's in-place update: every element moves to the next step's value (+1; back by SOAK_CYCLE - 1 at
+        the end of a cycle, so that values stay exact in bf16 over any number of steps). Seconds the fence took."""
+        time.sleep(delay)
+        t0 = time.perf_counter()
+        self.published.fence(timeout=timeout)
+        fenced = time.perf_counter() - t0
+        self.published = None
+        self.step += 1
+        for t in self.shards.values():
+            if self.step % SOAK_CYCLE:
+                t.add_(1)
+            else:
+                t.sub_(SOAK_CYCLE - 1)
+        return fenced
+
+    def soak_load(self, manifest: Any, step: int, timeout: float) -> Tuple[str, str, float]:
+        """The soak, an engine rank: ``load(manifest, verify=True)`` while the trainers may be updating in place;
+        ("ok", "", s) when every target byte equals ``step``'s values, ("torn", what, s) when a load that returned
+        holds other bytes, (the error's class, its message, s) when it raised."""
+        t0 = time.perf_counter()
+        try:
+            self.loader.load(manifest, timeout=timeout, verify=True)
+        except rdt.RdtError as e:
+            return type(e).__name__, str(e)[:300], time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        wrong = self._soak_wrong(step)
+        return ("torn", wrong, seconds) if wrong else ("ok", "", seconds)
+
+    def _soak_wrong(self, step: int) -> str:
+        """The first target whose bytes differ from ``step``'s values ("" when none do)."""
+        if self.soak_ref is None:
+            self.soak_ref = {name: torch.cat([pattern(box, self.shapes[reg.param], 0) for _, reg, box in
+                                              region_views(self.targets[name], regions, self.shapes, name)])
+                             for name, _, regions in self.wants}
+        for name, ref in self.soak_ref.items():
+            if not torch.equal(self.targets[name], ref + step % SOAK_CYCLE):
+                return f"{name} differs from step {step}'s values"
+        return ""
 
     def check(self, step: int) -> float:
         """The first, middle and last element of every region this rank wants hold their value at ``step``."""

@@ -49,6 +49,12 @@ def _target(desc: str, need: float, unit: str, inverse: bool, value: Optional[fl
             "cross_mechanism": cross}
 
 
+def _control(r: Mapping[str, Any]) -> str:
+    """The version begin/end round trips of a row's replayed loads (not part of the plan's replay), if measured."""
+    ctl = [c for c in r.get("replay_control_s") or [] if c is not None]
+    return f"; begin/end round trips apart: {max(ctl) * 1e3:.2f} ms (worst consumer)" if ctl else ""
+
+
 def _why(*rs: Optional[Mapping[str, Any]]) -> str:
     for r in rs:
         if r is None:
@@ -116,12 +122,20 @@ def sharded_sync_targets(rows: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         why = _why(r) or ("" if over else "not measured: this build's loader cannot be timed around its reads")
         out.append(_target(f"{SUITE} {r['impl']}: replayed plan <= {REPLAY_MS_NEED:g} ms per consumer per step",
                            REPLAY_MS_NEED, "ms", True, max(over) * 1e3 if over else None, None,
-                           "load() outside the transports' reads, median of replayed steps, worst consumer",
+                           "load() outside the transports' reads and the version begin/end round trips, median "
+                           "of replayed steps, worst consumer" + _control(r),
                            why=why))
     soak = next((r for impl, r in by.items() if r.get("kind") == "soak"), None)
+    ran = soak is not None and "error" not in soak and soak["loads_landed"] > 0  # none landed: nothing shown
+    wrong = soak["wrong_reads"] + sum(soak["other_errors"].values()) if ran else None
     out.append(_target(f"{SUITE}: 200 steps, in-place updates during pulls, verify on: 0 torn or wrong reads", 0,
-                       "torn reads", True, why=str(soak["error"]) if soak is not None and "error" in soak else
-                       "not run"))
+                       "torn or wrong reads", True, wrong, None,
+                       f"{soak['steps']} steps over {soak['transport']}: {soak['loads_landed']} loads landed (every "
+                       f"byte compared), {soak['loads_version_gone']} refused (VersionGoneError), "
+                       f"{soak['torn_reads']} torn, {soak['checksum_mismatches']} checksum mismatches"
+                       + (f", other errors {soak['other_errors']}" if soak["other_errors"] else "") if ran else "",
+                       why="" if ran else str(soak["error"]) if soak is not None and "error" in soak else
+                       "no load landed" if soak is not None else "not run"))
     return out
 
 
@@ -132,7 +146,13 @@ def _cell_time(r: Mapping[str, Any]) -> str:
 
 
 def _columns(r: Mapping[str, Any], hand: Optional[Mapping[str, Any]]) -> List[str]:
-    """median step, vs hand-written, received/targets, trainer USS growth, peak RSS, replayed load."""
+    """median step, vs hand-written, received/targets, trainer USS growth, peak RSS, replayed load (the soak: its
+    counts in the first cell)."""
+    if r.get("kind") == "soak":
+        summary = (f"{r['steps']} steps in {r['seconds']:.1f} s: {r['loads_landed']}/{r['loads']} landed, "
+                   f"{r['loads_version_gone']} VersionGone, {r['torn_reads']} torn, {r['checksum_mismatches']} "
+                   f"checksum mismatches" + (f", other {r['other_errors']}" if r["other_errors"] else ""))
+        return [summary] + [""] * (len(HEAD) - 1)
     speed = f"{hand['seconds'] / r['seconds']:.2f}x" if _ok(hand) else "-"
     over = [o for o in r.get("replay_overhead_s") or [] if o is not None]
     return [_cell_time(r), speed, f"{received_ratio(r):.3f}x" + (" (computed)" if r.get("bytes_received_computed")
@@ -162,7 +182,9 @@ def format_sharded_sync(rows: List[Mapping[str, Any]]) -> str:
            f"{'row':<20}{'mechanism':<28}" + "".join(f"{h:>28}" for h in HEAD)]
     for impl, r in by.items():
         if _ok(r):
-            out.append(f"{impl:<20}{str(r['mechanism'])[:27]:<28}" + "".join(f"{c:>28}" for c in _columns(r, hand)))
+            cells = _columns(r, hand)
+            out.append(f"{impl:<20}{str(r['mechanism'])[:27]:<28}" + (cells[0] if r.get("kind") == "soak" else
+                                                                     "".join(f"{c:>28}" for c in cells)))
         else:
             out.append(f"{impl:<20}{'-':<28}{str(r['error'])[:120]}")
     return "\n".join(out + ["", *SCHEMES])
