@@ -204,7 +204,7 @@ def test_abort_ends_a_shm_allreduce_and_the_peer_follows(ranks):
     finally:
         ray.get([a.destroy.remote(name) for a in ranks])
     assert e0 is not None and e0.cls is GroupDestroyedError and t0 < 3.0, (e0, t0)
-    assert e1 is not None and issubclass(e1.cls, CommunicationError) and t1 < 5.0, (e1, t1)
+    assert e1 is not None and issubclass(e1.cls, CommunicationError) and t1 < 15.0, (e1, t1)  # not its 30 s: the abort reached it (5.6 s seen at load 10)
     assert e1.peer == 0, e1
 
 
