@@ -11,7 +11,8 @@ import ray
 
 from ._progress import emit
 
-# Environment the benchmark sets before Ray starts (and hands to every worker through the job's runtime_env).
+# Environment the benchmark sets before Ray starts (a local cluster inherits it; a joined one gets it through the
+# job's runtime_env).
 BENCH_ENV: Dict[str, str] = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "GLOO_SOCKET_IFNAME": "lo",
@@ -37,12 +38,12 @@ def start_ray(address: Optional[str], num_cpus: int, object_store_bytes: int) ->
     env = dict(BENCH_ENV, **(LOCAL_ONLY_ENV if address is None else {}))
     if address is None:
         os.environ.update(env)
-    runtime_env = {"env_vars": env}
-    if address is None:
+    if address is None:  # the local cluster's processes inherit os.environ: no runtime_env (it costs every
+        # worker an extra interpreter start through Ray's setup_worker)
         ray.init(num_cpus=num_cpus, object_store_memory=object_store_bytes, include_dashboard=False,
-                 runtime_env=runtime_env, log_to_driver=False, logging_level="ERROR")
+                 log_to_driver=False, logging_level="ERROR")
     else:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="ERROR")
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False, logging_level="ERROR")
     return {"address": address or "local", "num_cpus": num_cpus if address is None else None,
             "object_store_bytes": object_store_bytes if address is None else None,
             "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if "node:" not in k}}
