@@ -4,8 +4,6 @@ and on every ``load(manifest)`` reads exactly those ranges from all ranks at onc
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,6 +13,7 @@ import numpy as np
 import torch
 
 from .._objects.meta import ObjectMeta
+from ..transports.base import TransportState
 from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
                       TransferTimeoutError)
 from . import reads
@@ -23,8 +22,6 @@ from .publish import Manifest, ParamInfo, Shards
 
 MAX_PARALLEL = 16  # producer ranks read from at once
 _ITEMSIZE: Dict[str, int] = {}  # dtype name -> bytes per element
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
 
 
 @dataclass
@@ -174,23 +171,22 @@ def _new_plan(wants: List[_Want], manifest: Manifest) -> _Plan:
     return _Plan(manifest.layout_key, pulls, keep, sum(p.nbytes for p in pulls))
 
 
+class _Readers(TransportState):
+    """The process's pool of reading threads for sharded loads (bounded, made once; loads only wait on it, never
+    nest in it), held by the process context so it ends with it and a forked child makes its own."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(MAX_PARALLEL, thread_name_prefix="rdt-shards")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _executor() -> ThreadPoolExecutor:
-    """The process's pool of reading threads (bounded, made once; loads only wait on it, never nest in it)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(MAX_PARALLEL, thread_name_prefix="rdt-shards")
-        return _pool
+    """This process's reading threads (see :class:`_Readers`)."""
+    from .._process.context import get_context
 
-
-def _forget_pool() -> None:
-    """A forked child has none of its parent's threads: it makes its own pool."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    return get_context().transport_state("sharded-readers", _Readers).pool
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
