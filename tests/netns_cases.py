@@ -73,9 +73,9 @@ def net():
     os.environ["RAY_AUTH_MODE"] = "disabled"  # as on the nodes; an earlier ray.init in this process set "token"
     try:
         cluster.start()
-        # Only settings that name no interface: each node's own GLOO_SOCKET_IFNAME / UCX_NET_DEVICES must win.
-        ray.init(address=cluster.address, _node_ip_address=_netns.HOST_IP, log_to_driver=False,
-                 runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN"}})
+        # No job runtime_env: each node's workers inherit its own environment (_netns sets GLOO_SOCKET_IFNAME and
+        # UCX_NET_DEVICES per node over this process's), and a runtime_env would start every worker twice.
+        ray.init(address=cluster.address, _node_ip_address=_netns.HOST_IP, log_to_driver=False)
         cluster.wait_for_nodes(ray)
         yield cluster
     finally:
