@@ -40,7 +40,7 @@ from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
 from ._mechanism import object_mechanism
 from ._sharded_sync_actor import actor_class
 from ._sharded_sync_model import MAX_STEPS, engine_wants, trainer_rows
-from ._weight_sync import ModelShape, _error, model_shape
+from ._weight_sync import ModelShape, _error, close_actors, model_shape
 
 SUITE = "sharded-sync"
 TRAINERS, ENGINES, TP = 4, 2, 2
@@ -184,17 +184,8 @@ class Row:
 
     def close(self) -> None:
         """Destroy rdt's group and kill the actors (Ray's groups go with their processes)."""
-        if self.group is not None:
-            try:
-                rdt.destroy_collective_group(self.group, timeout=30)
-            except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
-                log(f"{SUITE} {self.case.impl}: destroying the rdt group failed: {_error(e)}")
-            self.group = None
-        for a in self.everyone:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
+        close_actors(self.group, self.everyone, f"{SUITE} {self.case.impl}")
+        self.group = None
 
 
 # ---------------------------------------------------------------------- rows

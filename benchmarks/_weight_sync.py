@@ -255,17 +255,22 @@ class World:
 
     def close(self) -> None:
         """Destroy the groups and kill the actors."""
-        if self.rdt_group is not None:
-            try:
-                rdt.destroy_collective_group(self.rdt_group, timeout=30)
-            except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
-                log(f"weight-sync n={self.n}: destroying the rdt group failed: {_error(e)}")
+        close_actors(self.rdt_group, self.everyone, f"weight-sync n={self.n}")
         self.rdt_group = None
-        for a in self.everyone:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
+
+
+def close_actors(group: Any, actors: List[Any], label: str) -> None:
+    """Destroy rdt's group ``group`` (if any), logging a failure under ``label``, then kill ``actors``."""
+    if group is not None:
+        try:
+            rdt.destroy_collective_group(group, timeout=30)
+        except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
+            log(f"{label}: destroying the rdt group failed: {_error(e)}")
+    for a in actors:
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 - already dead is fine
+            pass
 
 
 def _error(e: BaseException) -> str:
