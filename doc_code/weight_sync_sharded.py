@@ -1,6 +1,7 @@
 """Sharded weight sync with plain tensors: two trainer ranks each hold half the rows of every weight; two
 tensor-parallel engine ranks pull only their slices (a fused qkv, a row-parallel o_proj) straight from both
-trainers, every step, with the plan made once.
+trainers, every step, with the plan made once. A second engine (a data-parallel replica) loads the same slices
+from the first engine's ranks, so each slice leaves a trainer once.
 
 Each trainer publishes its shards with their place in the global weights (``rdt.put_shards`` with ``rdt.Layout``);
 the driver gathers the ranks' publications into an ``rdt.Manifest``; each engine rank states what its parameters
@@ -61,8 +62,13 @@ class EngineRank:
         self.loader.want(self.o_proj, rdt.Region("o_proj", 1, tp_rank * cols, cols))
         self.tp_rank = tp_rank
 
-    def load(self, manifest: rdt.Manifest) -> rdt.LoadReport:
-        return self.loader.load(manifest, timeout=30.0)
+    def load(self, source) -> rdt.LoadReport:
+        """Load a manifest from the trainers, or a replica from the same rank of another engine."""
+        return self.loader.load(source, timeout=30.0)
+
+    def load_and_share(self, manifest: rdt.Manifest) -> rdt.Replica:
+        self.loader.load(manifest, timeout=30.0)
+        return self.loader.share()  # the same rank of the other engines loads from here
 
     def check(self, step: int) -> bool:
         q, kv, cols = HIDDEN // TP, HIDDEN // 4 // TP, HIDDEN // TP
@@ -75,15 +81,17 @@ class EngineRank:
 ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 trainers = [Trainer.remote(r) for r in range(TRAINERS)]
 engines = [EngineRank.remote(r) for r in range(TP)]
+replicas = [EngineRank.remote(r) for r in range(TP)]  # engine 1: the same tensor-parallel ranks
 for step in range(3):
     if step:
         ray.get([t.train_step.remote() for t in trainers])
     manifest = rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))
-    reports = ray.get([e.load.remote(manifest) for e in engines])
-    assert all(ray.get([e.check.remote(step) for e in engines]))
+    offers = [e.load_and_share.remote(manifest) for e in engines]
+    reports = ray.get([c.load.remote(o) for c, o in zip(replicas, offers)])  # each starts once its offer exists
+    assert all(ray.get([e.check.remote(step) for e in engines + replicas]))
     r = reports[0]
-    print(f"step {step}: engine 0 got {r.nbytes} bytes from ranks {sorted(r.paths)} via {sorted(set(r.paths.values()))}"
-          f", {'planned' if r.planned else 'replayed'} in {r.seconds * 1e3:.1f} ms")
+    print(f"step {step}: engine 1 rank 0 got {r.nbytes} bytes from engine 0 rank 0 via {r.paths[0]}, "
+          f"{'planned' if r.planned else 'replayed'} in {r.seconds * 1e3:.1f} ms")
     assert r.planned == (step == 0)
 ray.shutdown()
 print("weight_sync_sharded: OK")

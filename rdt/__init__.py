@@ -24,6 +24,7 @@ from .transports import register_transport
 from ._sharded.layout import Layout, Region
 from ._sharded.publish import Manifest, Shards, put_shards
 from ._sharded.load import LoadReport, WeightLoader
+from ._sharded.replica import Replica
 from .errors import (
     IntoBusyError,
     IntoMismatchError,
@@ -44,7 +45,7 @@ from .errors import (
 
 __all__ = [
     "tensor_method", "put", "get", "put_shards", "Manifest", "Shards", "Layout", "Region", "WeightLoader",
-    "LoadReport", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
+    "LoadReport", "Replica", "get_async", "wait_tensor_freed", "register_transport", "create_collective_group", "destroy_collective_group", "stats", "configure",
     "TRANSPORTS", "RdtError", "ObjectError", "ObjectFreedError", "ObjectFetchError", "ProducerDiedError",
     "TransferTimeoutError", "IntoBusyError", "IntoMismatchError", "TensorInUseError", "NoCollectiveGroupError", "InvalidArgumentError", "UnsupportedError",
     "VersionGoneError", "FenceTimeoutError", "ChecksumMismatchError",

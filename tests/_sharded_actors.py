@@ -69,8 +69,12 @@ class Trainer:
     def step(self) -> None:
         """The optimizer's in-place update: every parameter moves to the next version's values."""
         self.version += 1
-        for name, t in self.local.items():
-            t.add_(1.0)
+        for name, t in self.local.items():  # exactly full(name, version)'s bytes: x + 1 + 1 may round off x + 2
+            new = full(name, self.version)
+            if name not in REPLICATED:
+                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name])
+                new = new[lo:hi]
+            t.copy_(new)
 
     def reshard(self, name: str, sizes: List[int]) -> None:
         """Change how ``name`` is split across the ranks (a changed layout)."""
@@ -156,12 +160,35 @@ class Consumer:
             regs = [rdt.Region(p) if d < 0 else rdt.Region(p, d, s, n) for p, d, s, n in regions]
             self.loader.want(t, regs, dim=dim, cast=dtype != "float32", name=target)
 
-    def load(self, manifest: rdt.Manifest, timeout: float = 30.0) -> Dict[str, Any]:
-        report = self.loader.load(manifest, timeout=timeout)
+    def load(self, source: Any, timeout: float = 30.0, verify: bool = False) -> Dict[str, Any]:
+        """Load a manifest (from the trainers) or a replica (from another consumer with the same wants)."""
+        report = self.loader.load(source, timeout=timeout, verify=verify)
         return {"report": report, "targets": {k: v.clone() for k, v in self.targets.items()},
                 "plans": self.loader.plans, "replays": self.loader.replays,
                 "target_bytes": sum(v.nbytes if v.dtype == torch.float32 else v.numel() * 4
                                     for v in self.targets.values())}
+
+    def share(self, transport: str = "auto") -> rdt.Replica:
+        return self.loader.share(tensor_transport=transport)
+
+    def try_load(self, source: Any, timeout: float = 30.0) -> str:
+        """The error a load raises (its type and message), or "ok"."""
+        try:
+            self.loader.load(source, timeout=timeout)
+        except rdt.RdtError as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    def load_outcomes(self, source: Any, times: int) -> List[Tuple[str, Optional[Dict[str, torch.Tensor]]]]:
+        """``times`` loads of ``source`` one after another: ("ok", the targets) or (the error's type, None)."""
+        out: List[Tuple[str, Optional[Dict[str, torch.Tensor]]]] = []
+        for _ in range(times):
+            try:
+                self.loader.load(source, timeout=30.0)
+                out.append(("ok", self.targets_now()))
+            except rdt.RdtError as e:
+                out.append((type(e).__name__, None))
+        return out
 
     def targets_now(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.targets.items()}

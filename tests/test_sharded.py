@@ -118,6 +118,95 @@ def test_a_changed_layout_is_planned_again(trainers, consumers):
         assert out["report"].planned and out["plans"] == 2
 
 
+# ---------------------------------------------------------------------------------- replicas share slices
+@pytest.fixture(scope="module")
+def replicas(ray_cluster):
+    """A second data-parallel replica of the engine: the same tensor-parallel ranks, the same wants."""
+    cs = [Consumer.remote(r, TP) for r in range(TP)]
+    yield cs
+    for c in cs:
+        ray.kill(c)
+
+
+@pytest.mark.parametrize("transport", ["shm"] + (["nixl"] if HAS_NIXL else []))
+def test_replicas_load_a_version_from_each_other_not_from_the_trainers(trainers, consumers, replicas, transport):
+    """Before: WeightLoader had no share() and load() refused anything but a Manifest. A replica's load reads the
+    sharing consumer's targets only: the trainers update in place (fencing the version) before the replicas load,
+    and the replicas still land the version the first replica loaded, byte for byte."""
+    manifest = _manifest(trainers, "shm")
+    _load(consumers, manifest)
+    offers = ray.get([c.share.remote(transport) for c in consumers])
+    assert [o.version for o in offers] == [manifest.version] * TP
+    ray.get([t.step.remote() for t in trainers])  # in place: the trainers' version is gone from here on
+    outs = ray.get([c.load.remote(o, 30.0, True) for c, o in zip(replicas, offers)])  # verify=True
+    for r, out in enumerate(outs):
+        _check(out, r, manifest.version)
+        rep = out["report"]
+        assert rep.version == manifest.version and rep.verified_bytes == out["report"].nbytes > 0
+        assert set(rep.paths.values()) == {"shm-direct" if transport == "shm" else "nixl"}, rep.paths
+        assert rep.nbytes == sum(t.nbytes for t in out["targets"].values())  # each target once, whole
+    again = ray.get([c.load.remote(o) for c, o in zip(replicas, offers)])
+    assert all(not out["report"].planned for out in again)  # a replica's plan is replayed too
+
+
+def test_a_replica_chain_and_the_sharers_next_load_fences_its_offer(trainers, consumers, replicas):
+    """A replica that loaded from a replica shares in turn (a tree); the first sharer's next load fences what it
+    offered: a replica that comes after gets VersionGoneError naming the replica, its targets untouched, and its
+    own offer still served (a load refused before any byte moved does not fence it)."""
+    manifest = _manifest(trainers, "shm")
+    _load(consumers, manifest)
+    offer = ray.get(consumers[0].share.remote())
+    ray.get(replicas[0].load.remote(offer))
+    second = ray.get(replicas[0].share.remote())
+    ray.get([t.step.remote() for t in trainers])
+    _load(consumers, _manifest(trainers, "shm"))  # consumer 0 loads the next version: its offer is fenced
+    before = ray.get(replicas[0].targets_now.remote())
+    err = ray.get(replicas[0].try_load.remote(offer))
+    assert err.startswith("VersionGoneError") and "replica actor" in err and "fenced" in err, err
+    after = ray.get(replicas[0].targets_now.remote())
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # the chained offer still holds the older version (its sharer has not loaded since)
+    third = Consumer.remote(0, TP)
+    try:
+        _check(ray.get(third.load.remote(second)), 0, manifest.version)
+    finally:
+        ray.kill(third)
+
+
+def test_replicas_reading_while_the_sharer_loads_the_next_version_never_land_torn_bytes(trainers, consumers,
+                                                                                        replicas):
+    """The sharer's next load lands in the very tensors its replicas read: its fence waits for the replicas in
+    flight, and a replica after it is refused. Every replica load either lands the offered version exactly or
+    raises VersionGoneError."""
+    kinds = {"ok": 0, "VersionGoneError": 0}
+    for step in range(6):
+        manifest = _manifest(trainers, "shm")
+        _load(consumers[:1], manifest)
+        offer = ray.get(consumers[0].share.remote())
+        reading = replicas[0].load_outcomes.remote(offer, 3)
+        ray.get([t.step.remote() for t in trainers])
+        time.sleep(0.002 * step)
+        _load(consumers[:1], _manifest(trainers, "shm"))  # fences the offer, then overwrites the targets
+        for kind, targets in ray.get(reading):
+            kinds[kind] += 1
+            if kind == "ok":
+                _check({"targets": targets}, 0, manifest.version)
+    assert sum(kinds.values()) == 18 and kinds["ok"] > 0, kinds
+
+
+def test_a_replica_with_other_wants_is_refused_before_any_byte_moves(trainers, consumers, replicas):
+    manifest = _manifest(trainers, "shm")
+    _load(consumers, manifest)
+    offer = ray.get(consumers[0].share.remote())
+    before = ray.get(replicas[1].targets_now.remote())
+    err = ray.get(replicas[1].try_load.remote(offer))  # tensor-parallel rank 1 wants other slices
+    assert err.startswith("InvalidArgumentError") and "wants differ" in err, err
+    after = ray.get(replicas[1].targets_now.remote())
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(rdt.InvalidArgumentError, match="holds none"):
+        rdt.WeightLoader().share()
+
+
 def test_dtensor_ranks_publish_their_local_shards(ray_cluster, consumers):
     """A DTensor leaf through plain tensor_method failed before with RuntimeError "Attempted to access the data
     pointer on an invalid python storage"; it is now refused naming the leaf, and put_shards publishes it."""

@@ -4,6 +4,8 @@ and on every ``load(manifest)`` reads exactly those ranges from all ranks at onc
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,11 +16,14 @@ import torch
 
 from .._objects.meta import ObjectMeta
 from ..transports.base import TransportState
-from ..errors import (IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
+from ..errors import (FenceTimeoutError, IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
                       TransferTimeoutError)
-from . import reads
+from . import reads, replica as _replica
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
+from .replica import Replica
+
+logger = logging.getLogger(__name__)
 
 MAX_PARALLEL = 16  # producer ranks read from at once
 _ITEMSIZE: Dict[str, int] = {}  # dtype name -> bytes per element
@@ -98,6 +103,10 @@ class WeightLoader:
     def __init__(self) -> None:
         self._wants: List[_Want] = []
         self._plan: Optional[_Plan] = None  # made for one manifest layout key and these wants
+        self._mirror: Optional[Tuple[List[_Want], Optional[_Plan], bytes]] = None  # reading replicas: wants, plan, sig
+        self._held: Optional[int] = None  # the version the targets hold (None: none whole, or a load failed)
+        self._shared: Optional[Replica] = None  # what share() offered: fenced before the next load lands a byte
+        self._stream = secrets.token_bytes(16)
         self.plans = 0  # plans made (a changed layout or new wants make a new one)
         self.replays = 0  # loads that reused the plan
 
@@ -121,17 +130,52 @@ class WeightLoader:
                 raise InvalidArgumentError(f"target {label!r} overlaps the bytes of target {w.name!r}",
                                            hint="give every want its own tensor (or disjoint views of one)")
         self._wants.append(_Want(label, target, regs, dim % max(target.dim(), 1), bool(cast)))
-        self._plan = None
+        self._plan = self._mirror = None
 
-    def load(self, manifest: Manifest, *, timeout: float = 60.0, verify: bool = False) -> LoadReport:
-        """Pull every want's bytes of ``manifest``'s version into the targets. Everything is checked before a byte
-        moves, each producer rank's read included: a version that is gone raises VersionGoneError, a rank that
-        died ProducerDiedError, naming it. The targets hold that version on return, never torn bytes (a read the
+    def load(self, source: Union[Manifest, Replica], *, timeout: float = 60.0, verify: bool = False) -> LoadReport:
+        """Pull every want's bytes of a version into the targets: from the trainer ranks of a ``Manifest``, or whole
+        from a ``Replica`` that a loader with the same wants shared. Everything is checked before a byte moves,
+        each source's read included: a version that is gone raises VersionGoneError, a rank that died
+        ProducerDiedError, naming it. The targets hold that version on return, never torn bytes (a read the
         version did not hold through raises VersionGoneError). ``verify=True`` checks the landed bytes against
-        the producers' checksums (ChecksumMismatchError names the parameter and rank)."""
-        if not isinstance(manifest, Manifest):
-            raise InvalidArgumentError(f"load takes an rdt.Manifest, got {type(manifest).__name__}",
+        the sources' checksums (ChecksumMismatchError names the parameter and rank)."""
+        if isinstance(source, Replica):
+            return self._load_replica(source, timeout, verify)
+        if not isinstance(source, Manifest):
+            raise InvalidArgumentError(f"load takes an rdt.Manifest or rdt.Replica, got {type(source).__name__}",
                                        hint="rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))")
+        manifest = source
+        self._plan, report = self._run(self._wants, self._plan, manifest, timeout, verify)
+        return report
+
+    def share(self, *, tensor_transport: str = "auto") -> Replica:
+        """Inside an actor, after a load that succeeded: offer the version the targets hold to the loaders with the
+        same wants (data-parallel replicas), which ``load(replica)`` from here instead of from the trainer ranks:
+        one copy of each slice crosses a trainer's link. The targets are read as they are (no copy), so this
+        loader's next load first fences the offer (waiting for its readers at most half that load's timeout);
+        a replica that reads after gets VersionGoneError."""
+        if self._held is None:
+            raise InvalidArgumentError("share() offers the version a load landed; this loader holds none (no load "
+                                       "yet, or the last one failed)", hint="call loader.load(manifest) first")
+        if self._shared is None or self._shared.version != self._held:
+            self._shared = _replica.offer(self._wants, self._held, tensor_transport, self._stream, reads.who())
+        return self._shared
+
+    def _load_replica(self, replica: Replica, timeout: float, verify: bool) -> LoadReport:
+        """Every target whole from the same target of the loader that shared ``replica`` (checked to have the same
+        wants before any byte moves)."""
+        if self._mirror is None:
+            wants = [_Want(name, t, (region,), 0, False) for name, t, region in _replica.mirror(self._wants, replica)]
+            self._mirror = (wants, None, _replica.signature(self._wants))
+        wants, plan, sig = self._mirror
+        _replica.check(sig, len(wants), replica)
+        plan, report = self._run(wants, plan, replica.manifest, timeout, verify)
+        self._mirror = (wants, plan, sig)
+        return report
+
+    def _run(self, wants: List[_Want], plan: Optional[_Plan], manifest: Manifest, timeout: float,
+             verify: bool) -> Tuple[_Plan, LoadReport]:
+        """Plan (or replay) ``wants`` against ``manifest`` and land its bytes; (the plan, what the load did)."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
                                        hint="pass e.g. timeout=60.0")
@@ -139,26 +183,42 @@ class WeightLoader:
             raise InvalidArgumentError(f"verify must be True or False, got {verify!r}", hint="pass verify=True")
         start = time.monotonic()
         deadline = start + timeout
-        plan = self._plan
         planned = plan is None or plan.key != manifest.layout_key
         if planned:
-            _targets_free([w.landing if w.landing is not None else w.target for w in self._wants], timeout)
-            plan = self._plan = _new_plan(self._wants, manifest)
+            _targets_free([w.landing if w.landing is not None else w.target for w in wants], timeout)
+            plan = _new_plan(wants, manifest)
             self.plans += 1
         else:
             _targets_free(plan.keep, timeout)
             self.replays += 1
+        assert plan is not None
         by_rank = {s.rank: s for s in manifest.shards}
         dsts = dict(zip((p.rank for p in plan.pulls), plan.destinations()))
         report = LoadReport(manifest.version, planned, plan.nbytes)
-        check = verify_with([w.name for w in self._wants], plan.keep, deadline) if verify else None
+        check = verify_with([w.name for w in wants], plan.keep, deadline) if verify else None
+        keep = plan.keep
         _read_all(_executor(), plan.pulls, by_rank,
-                  lambda p: _pull(by_rank[p.rank], p, dsts[p.rank], plan.keep, deadline, check), deadline, report)
-        for w in self._wants:
+                  lambda p: _pull(by_rank[p.rank], p, dsts[p.rank], keep, deadline, check), deadline, report,
+                  lambda: self._fence_shared(deadline))
+        for w in wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
+        self._held = manifest.version
         report.seconds = time.monotonic() - start
-        return report
+        return plan, report
+
+    def _fence_shared(self, deadline: float) -> None:
+        """Once every source let this load in, before it lands a byte: the targets no longer hold a whole version,
+        and the one share() offered is closed to new readers, its readers in flight waited for at most half the
+        time left (one still in flight after that fails at its end, told its bytes may be torn)."""
+        self._held = None
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        try:
+            shared.shards.fence(timeout=max((deadline - time.monotonic()) / 2, 1e-3))
+        except FenceTimeoutError as e:
+            logger.warning("rdt: %s; loading the next version anyway", e)
 
 
 def _new_plan(wants: List[_Want], manifest: Manifest) -> _Plan:
@@ -309,14 +369,20 @@ def _targets_free(targets: List[torch.Tensor], timeout: float) -> None:
 
 
 def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, Shards],
-              read: Callable[[_Pulls], Tuple[str, int, float]], deadline: float, report: LoadReport) -> None:
+              read: Callable[[_Pulls], Tuple[str, int, float]], deadline: float, report: LoadReport,
+              before: Callable[[], None]) -> None:
     """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
-    moves), read all ranks at once, then end every registered read; a read its version did not hold through
-    (the producer updated the weights meanwhile) fails with VersionGoneError."""
+    moves), call ``before``, read all ranks at once, then end every registered read; a read its version did not
+    hold through (the producer updated the weights meanwhile) fails with VersionGoneError."""
     from .._process.context import get_context
 
     ctx = get_context()
     readers, errors = _each(pool, pulls, lambda p: reads.begin(ctx, by_rank[p.rank], deadline))
+    if not errors:
+        try:
+            before()
+        except Exception as e:  # noqa: BLE001 - the registered reads still end below
+            errors = [e]
     if not errors:
         done, errors = _each(pool, pulls, read)
         for rank, (label, checked, seconds) in done.items():
@@ -419,11 +485,11 @@ def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: 
                 return label
         return _whole(ctx, meta, ranges, deadline)
     except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
-        raise type(e)(f"producer rank {shards.rank} (version {shards.version}): {e}", rank=shards.rank,
+        raise type(e)(f"{shards.source} (version {shards.version}): {e}", rank=shards.rank,
                       object_id=meta.id_hex, hint=e.hint) from e
     except TimeoutError as e:  # a transport's own timeout (a NIXL READ that timed out is parked, its targets busy)
         raise TransferTimeoutError(
-            f"producer rank {shards.rank} (version {shards.version}): the range read did not finish in time: {e}",
+            f"{shards.source} (version {shards.version}): the range read did not finish in time: {e}",
             rank=shards.rank, object_id=meta.id_hex,
             hint="the targets stay busy until that read ends; the next load into them waits for it (kill a stuck "
                  "trainer and it ends at once); raise timeout= for huge models") from e

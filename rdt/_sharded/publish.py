@@ -33,8 +33,9 @@ class Shards:
     weights."""
 
     def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any,
-                 kept_bytes: int = 0) -> None:
+                 kept_bytes: int = 0, source: str = "") -> None:
         self.rank = rank
+        self.source = source or f"producer rank {rank}"  # how errors name where the bytes come from
         self.version = version
         self.params = params
         self.meta = meta  # ObjectMeta of {name: local shard}, or None when there was nothing to hold
@@ -61,20 +62,20 @@ class Shards:
 
     def __reduce__(self) -> Any:
         meta = None if self.meta is None else self.meta.__dict__.copy()
-        return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes))
+        return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes, self.source))
 
     def __repr__(self) -> str:
         return f"Shards(rank={self.rank}, version={self.version}, {len(self.params)} params)"
 
 
 def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict],
-                 kept_bytes: int = 0) -> Shards:
+                 kept_bytes: int = 0, source: str = "") -> Shards:
     """Unpickle without handing the metadata to rdt's consumer (which would fetch the shards whole)."""
     meta = None
     if meta_state is not None:
         meta = ObjectMeta.__new__(ObjectMeta)
         object.__setattr__(meta, "__dict__", meta_state)
-    return Shards(rank, version, params, meta, kept_bytes)
+    return Shards(rank, version, params, meta, kept_bytes, source)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -144,14 +145,22 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
         locals_[name] = local if local.is_contiguous() else local.contiguous()
         params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
     rank = _rank(rank)
-    meta = _publish(locals_, transport, seconds, keep_versions > 0)
+    return publish_local(locals_, tuple(params), rank=rank, version=version, transport=transport, timeout=seconds,
+                         keep_versions=keep_versions, stream=(rank, tuple(p.name for p in params)))
+
+
+def publish_local(tensors: Dict[str, torch.Tensor], params: Tuple[ParamInfo, ...], *, rank: int, version: int,
+                  transport: str, timeout: Optional[float], keep_versions: int, stream: Any,
+                  source: str = "") -> Shards:
+    """Keep ``tensors`` here as one rdt object and record the publication (its version, in ``stream``) with this
+    process's version table, so that readers register with it and a fence waits for them."""
+    meta = _publish(tensors, transport, timeout, keep_versions > 0)
     kept = meta.nbytes if meta is not None and keep_versions else 0
     if meta is not None:
         from .._process.context import get_context
 
-        get_context().versions.publish(meta.obj_id, (rank, tuple(p.name for p in params)), rank, version, kept,
-                                       keep_versions)
-    return Shards(rank, version, tuple(params), meta, kept)
+        get_context().versions.publish(meta.obj_id, stream, rank, version, kept, keep_versions)
+    return Shards(rank, version, params, meta, kept, source)
 
 
 def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional[float], copy: bool) -> Any:

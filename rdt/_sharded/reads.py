@@ -53,13 +53,13 @@ def _ask(ctx: Any, shards: Shards, msg: int, payload: bytes, deadline: float, wh
     except VersionGoneError as e:
         raise gone(shards, getattr(e, "reason", e.message)) from e
     except (ProducerDiedError, ObjectFreedError, ObjectFetchError) as e:
-        raise type(e)(f"producer rank {shards.rank} (version {shards.version}): {e}", rank=shards.rank,
+        raise type(e)(f"{shards.source} (version {shards.version}): {e}", rank=shards.rank,
                       object_id=meta.id_hex, hint=e.hint) from e
     except RdtError:
         raise
     except (TimeoutError, OSError, _control.ProtocolError) as e:
         raise TransferTimeoutError(
-            f"producer rank {shards.rank} (version {shards.version}) did not answer {what} in time: "
+            f"{shards.source} (version {shards.version}) did not answer {what} in time: "
             f"{type(e).__name__}: {e}", rank=shards.rank, object_id=meta.id_hex,
             hint="the trainer rank may be stuck or its node unreachable; raise timeout= for a slow control path") from e
 
@@ -67,7 +67,7 @@ def _ask(ctx: Any, shards: Shards, msg: int, payload: bytes, deadline: float, wh
 def gone(shards: Shards, why: str) -> VersionGoneError:
     """The error for a version its producer no longer serves."""
     err = VersionGoneError(
-        f"version {shards.version} of producer rank {shards.rank} is gone: {why}", rank=shards.rank,
+        f"version {shards.version} of {shards.source} is gone: {why}", rank=shards.rank,
         object_id=shards.meta.id_hex if shards.meta is not None else None,
         hint="load the manifest of the newest version (the trainer fences a version before it updates the "
              "weights in place); publish with keep_versions=N to keep older versions readable")
@@ -112,7 +112,7 @@ def verify(ctx: Any, shards: Shards, group: np.ndarray, buf: np.ndarray, off: np
                 param = shards.params[g].name
                 into = sorted({names[t] for gg, t in zip(group[lo:hi].tolist(), target[lo:hi].tolist()) if gg == g})
                 err = ChecksumMismatchError(
-                    f"parameter {param!r} from producer rank {shards.rank} (version {shards.version}), landed in "
+                    f"parameter {param!r} from {shards.source} (version {shards.version}), landed in "
                     f"target(s) {into}: the bytes' CRC-32 is {crc:08x}, the producer's {theirs.get(g, 0):08x}",
                     rank=shards.rank,
                     object_id=shards.meta.id_hex,
