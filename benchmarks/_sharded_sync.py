@@ -16,7 +16,10 @@ so rows cannot share processes), side by side in one run:
   ``rdt.get(into=)`` the whole model, then narrows;
 - ``rdt-sharded-<t>``: ``rdt.put_shards`` on each trainer rank, the driver's ``rdt.Manifest``, and each engine
   rank's ``rdt.WeightLoader.load`` (its mechanism is the loader's report: ``shm-direct``, ``nixl``, or
-  ``whole:<path>`` where the transport is served by the whole-fetch fallback).
+  ``whole:<path>`` where the transport is served by the whole-fetch fallback);
+- ``rdt-sharded-replicas-<t>``: the same, but only engine 0's ranks load from the trainer ranks; each then
+  ``share()``s what it landed and engine 1's same rank loads that offer (``load(replica)``, passed as the
+  ObjectRef of the offer so that it starts as soon as the offer exists): each slice leaves the trainers once.
 
 After the timed steps one more step runs with every actor sampling its RSS and private memory (rdt's pools off),
 then every byte of every engine target is compared with the values the trainers hold.
@@ -63,7 +66,12 @@ class Case:
 
     @property
     def is_rdt(self) -> bool:
-        return self.kind in ("whole", "sharded")
+        return self.kind in ("whole", "sharded", "replicas")
+
+    @property
+    def loads(self) -> bool:
+        """Whether the engines load with an rdt.WeightLoader."""
+        return self.kind in ("sharded", "replicas")
 
 
 CASES: Tuple[Case, ...] = (
@@ -71,6 +79,7 @@ CASES: Tuple[Case, ...] = (
     Case("ray-rdt", "ray-rdt"),
     *(Case(f"rdt-whole-{t}", "whole", t) for t in TRANSPORTS),
     *(Case(f"rdt-sharded-{t}", "sharded", t) for t in TRANSPORTS),
+    Case("rdt-sharded-replicas-shm", "replicas", "shm"),
 )
 
 
@@ -100,7 +109,7 @@ class Row:
             gather = case.kind in ("whole", "ray-rdt")
             infos = ray.get([t.setup_trainer.remote(r, self.rows[r], gather and r == 0)
                              for r, t in enumerate(self.trainers)]
-                            + [e.setup_engine.remote(w, self.shapes, case.kind != "sharded", case.kind == "sharded")
+                            + [e.setup_engine.remote(w, self.shapes, not case.loads, case.loads)
                                for e, w in zip(self.engines, self.wants)], timeout=120 + self.timeout)
             self._groups(group_timeout)
         except BaseException:
@@ -150,11 +159,21 @@ class Row:
                               timeout=to)
             ray.get([e.whole_load.remote([full], k, to) for e in self.engines], timeout=to)
             del refs, full
-        else:
+        elif case.kind == "sharded":
             manifest = rdt.Manifest(ray.get([t.publish_shards.remote(k, case.transport) for t in self.trainers],
                                             timeout=to))
             reports = ray.get([e.sharded_load.remote(manifest, k, to) for e in self.engines], timeout=to)
             del manifest
+        else:  # replicas: engine 0's ranks from the trainers, engine e's rank r from engine 0's rank r
+            manifest = rdt.Manifest(ray.get([t.publish_shards.remote(k, case.transport) for t in self.trainers],
+                                            timeout=to))
+            offers = [e.sharded_load_share.remote(manifest, k, to, case.transport) for e in self.engines[:TP]]
+            reports = ray.get([e.sharded_load.remote(offers[i % TP], k, to)
+                               for i, e in enumerate(self.engines) if i >= TP], timeout=to)
+            dt = time.perf_counter() - t0
+            reports = ray.get([e.last_report.remote() for e in self.engines[:TP]], timeout=to) + reports
+            del manifest, offers
+            return dt, reports
         return time.perf_counter() - t0, reports
 
     def memory_step(self) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
@@ -213,7 +232,8 @@ def _mechanism(case: Case, before: List[Dict[str, Any]], after: List[Dict[str, A
     if case.kind == "whole":
         labels = {object_mechanism(case.transport, b, a, before[0], after[0]) for b, a in zip(before[1:], after[1:])}
     else:
-        labels = {p for step in reports for rep in step for p in rep["paths"].values()}
+        labels = {("replica:" if rep.get("from") == "replica" else "") + p
+                  for step in reports for rep in step for p in rep["paths"].values()}
     return "/".join(sorted(labels)) or "?"
 
 
@@ -234,6 +254,11 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
     row["replay_control_s"] = [statistics.median(c) if c else None for c in ctl]  # begin/end round trips, apart
     row["plan_overhead_s"] = [next((r["overhead_s"] for s in reports for r in [s[i]] if r["planned"]), None)
                               for i in range(n)]
+    # What left the trainer ranks per step (the engine ranks that loaded from them; rdt's counters) against the
+    # distinct slices wanted (one data-parallel replica's targets): 2x without replicas here, 1x with.
+    from_trainers = [sum(r["received"] for r in s if r.get("from", "trainers") == "trainers") for s in reports]
+    row["trainer_sent_bytes"] = max(from_trainers)
+    row["distinct_slice_bytes"] = sum(row["target_bytes"][:TP])
 
 
 def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float,
@@ -263,18 +288,20 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
             if i >= warmup:
                 times.append(dt)
         after = world.stats() if case.is_rdt else []
+        if case.loads and after:  # rdt's own count of one engine rank's staging on trainer rank 0 (gloo-ranges)
+            row["staging_stream_peak_bytes"] = (after[0].get("gloo_ranges") or {}).get("staging_stream_peak")
         row.update(_timing(times))
         if case.kind == "whole":
             got = [sum(int(v.get("in_bytes", 0)) for v in (a.get("transfers") or {}).values())
                    - sum(int(v.get("in_bytes", 0)) for v in (b.get("transfers") or {}).values())
                    for b, a in zip(before[1:], after[1:])]
             row["bytes_received"] = [g // (warmup + iters) for g in got]
-        elif case.kind != "sharded":
+        elif not case.loads:
             row["bytes_received"] = [shape.nbytes] * len(world.engines)  # the whole model, by construction
             row["bytes_received_computed"] = True
         mem, last = world.memory_step()
         row.update(mem)
-        if case.kind == "sharded":
+        if case.loads:
             _sharded_fields(row, reports, last)
         row["mechanism"] = _mechanism(case, before, after, reports + [last])
         row["bytes_checked"] = world.check_all()
@@ -404,7 +431,7 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     nbytes = model_shape(config.weight_sync_scale).nbytes
     warmup, iters = iterations(config)
     setup = EST_SETUP_S * (TRAINERS + ENGINES * TP) + 3 * nbytes / EST_BYTES_PER_S
-    copies = {"hand": 8, "ray-rdt": 10, "whole": 6, "sharded": 1}
+    copies = {"hand": 8, "ray-rdt": 10, "whole": 6, "sharded": 1, "replicas": 1}
     chosen = getattr(config, "sharded_sync_rows", None)
     return [((SUITE, c.impl), setup + estimate_s(warmup + iters + 2, nbytes * copies[c.kind], 1)) for c in CASES
             if chosen is None or c.impl in chosen] \

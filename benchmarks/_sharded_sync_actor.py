@@ -116,6 +116,7 @@ class ShardedActor:
         self.sampler: Optional[MemorySampler] = None
         self.published: Any = None  # the soak's last publication (a trainer rank)
         self.soak_ref: Optional[Dict[str, torch.Tensor]] = None  # the soak's step-0 values (an engine rank)
+        self.last: Dict[str, Any] = {}  # the last load's report (a replicas row's first replica)
 
     # ------------------------------------------------------------------ set-up
     def setup_trainer(self, rank: int, rows: Dict[str, Tuple[Shape, int, int]], gather: bool) -> Dict[str, int]:
@@ -258,9 +259,18 @@ class ShardedActor:
             narrow_into(self.targets[name], regions, self.full, name)
         return self.check(step)
 
+    def sharded_load_share(self, manifest: Any, step: int, timeout: float, transport: str) -> Any:
+        """rdt sharded with replicas, the first replica: load from the trainers, then offer the version to the
+        same rank of the other engines (its report kept for ``last_report``)."""
+        self.last = self.sharded_load(manifest, step, timeout)
+        return self.loader.share(tensor_transport=transport)
+
+    def last_report(self) -> Dict[str, Any]:
+        return self.last
+
     def sharded_load(self, manifest: Any, step: int, timeout: float) -> Dict[str, Any]:
-        """rdt sharded: ``loader.load(manifest)``; the report, the bytes received (rdt's counters) and the load's
-        own cost outside the transports' reads."""
+        """rdt sharded: ``loader.load(manifest)`` (or a replica's offer); the report, the bytes received (rdt's
+        counters) and the load's own cost outside the transports' reads."""
         before = _in_bytes()
         if self.io is not None:
             self.io.take()
@@ -270,6 +280,7 @@ class ShardedActor:
         io, control, either = self.io.take() if self.io is not None and self.io.ok else (None, None, None)
         self.check(step)
         return {"planned": report.planned, "nbytes": report.nbytes, "paths": dict(report.paths),
+                "from": "replica" if isinstance(manifest, rdt.Replica) else "trainers",
                 "received": _in_bytes() - before, "seconds": total,
                 "overhead_s": None if either is None else max(total - either, 0.0),
                 "control_s": control, "mode": _read_mode(report)}

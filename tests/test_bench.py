@@ -275,7 +275,7 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
         assert shm["read_mode"] == "exact runs" and shm["bytes_received"] == targets, shm
     assert shm["planned_steps"] == 4 and all(o > 0 for o in shm["replay_overhead_s"]), shm  # one plan per engine
     got = {t["target"]: t for t in sharded_sync_targets(rows)}
-    assert len(got) == 4 * 2 + 2 + 4 + 4 + 1, sorted(got)
+    assert len(got) == 4 * 2 + 1 + 2 + 4 + 4 + 1, sorted(got)  # the replicas row: its trainers' link
     for name, t in got.items():
         measured = ("rdt-sharded-shm:" in name and "rdt-whole" not in name) or "torn or wrong reads" in name
         assert isinstance(t["met"], bool) if measured else t["met"] is None and "not run" in t["status"], t
