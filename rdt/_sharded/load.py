@@ -372,8 +372,9 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
               read: Callable[[_Pulls], Tuple[str, int, float]], deadline: float, report: LoadReport,
               before: Callable[[], None]) -> None:
     """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
-    moves), call ``before``, read all ranks at once, then end every registered read; a read its version did not
-    hold through (the producer updated the weights meanwhile) fails with VersionGoneError."""
+    moves), call ``before``, then read every rank at once, each ending its registration as soon as its read is
+    done; a read its version did not hold through (the producer updated the weights meanwhile) fails with
+    VersionGoneError."""
     from .._process.context import get_context
 
     ctx = get_context()
@@ -383,19 +384,31 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
             before()
         except Exception as e:  # noqa: BLE001 - the registered reads still end below
             errors = [e]
-    if not errors:
-        done, errors = _each(pool, pulls, read)
-        for rank, (label, checked, seconds) in done.items():
-            report.paths[rank] = label
-            report.verified_bytes += checked
-            report.verify_seconds += seconds
-    # A failed load still ends its reads (bounded, best effort): the producer's fence stops waiting for them.
-    end_by = max(deadline, time.monotonic() + 1.0) if not errors else time.monotonic() + 0.5
-    began = [p for p in pulls if p.rank in readers]
-    held, end_errors = _each(pool, began, lambda p: reads.end(ctx, by_rank[p.rank], readers[p.rank], end_by))
-    if errors or end_errors:
-        raise (errors or end_errors)[0]
-    torn = [rank for rank, ok in sorted(held.items()) if not ok]
+    if errors:  # nothing was read: end what began (bounded, best effort) so that no fence waits for it
+        end_by = time.monotonic() + 0.5
+        _each(pool, [p for p in pulls if p.rank in readers],
+              lambda p: reads.end(ctx, by_rank[p.rank], readers[p.rank], end_by))
+        raise errors[0]
+
+    def read_then_end(p: _Pulls) -> Tuple[Tuple[str, int, float], bool]:
+        try:
+            got = read(p)
+        except BaseException:
+            try:  # a failed read still ends its registration (bounded, best effort)
+                reads.end(ctx, by_rank[p.rank], readers[p.rank], time.monotonic() + 0.5)
+            except Exception:  # noqa: BLE001 - the read's own error is the one raised
+                pass
+            raise
+        return got, reads.end(ctx, by_rank[p.rank], readers[p.rank], max(deadline, time.monotonic() + 1.0))
+
+    done, errors = _each(pool, pulls, read_then_end)
+    if errors:
+        raise errors[0]
+    for rank, ((label, checked, seconds), _) in done.items():
+        report.paths[rank] = label
+        report.verified_bytes += checked
+        report.verify_seconds += seconds
+    torn = [rank for rank, (_, held) in sorted(done.items()) if not held]
     if torn:
         raise reads.gone(by_rank[torn[0]], "the producer updated it while this load read it (its fence gave up "
                          "waiting, or a newer version superseded it); the targets may hold torn bytes")
@@ -403,15 +416,16 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
 
 def _each(pool: ThreadPoolExecutor, pulls: List[_Pulls], fn: Callable[[_Pulls], Any]
           ) -> Tuple[Dict[int, Any], List[BaseException]]:
-    """``fn`` of every rank's pulls at once: results by rank, and the errors in rank order (all have ended)."""
-    if len(pulls) == 1:
-        try:
-            return {pulls[0].rank: fn(pulls[0])}, []
-        except Exception as e:  # noqa: BLE001 - returned to the caller, which raises it
-            return {}, [e]
-    futures = {p.rank: pool.submit(fn, p) for p in pulls}
+    """``fn`` of every rank's pulls at once (the first on the calling thread, which would only wait otherwise):
+    results by rank, and the errors in rank order (all have ended)."""
+    futures = {p.rank: pool.submit(fn, p) for p in pulls[1:]}
     out: Dict[int, Any] = {}
     errors: List[BaseException] = []
+    if pulls:
+        try:
+            out[pulls[0].rank] = fn(pulls[0])
+        except Exception as e:  # noqa: BLE001 - returned to the caller, which raises it
+            errors.append(e)
     for rank, f in futures.items():
         try:
             out[rank] = f.result()
