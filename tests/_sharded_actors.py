@@ -52,6 +52,7 @@ class Trainer:
             dist.init_process_group("gloo", rank=rank, world_size=world)
             self.mesh = init_device_mesh("cpu", (world,))
         self.version = 0
+        self.published: Optional[rdt.Shards] = None
         self._build()
 
     def _build(self) -> None:
@@ -106,10 +107,13 @@ class Trainer:
         return out
 
     def publish(self, transport: str = "shm") -> rdt.Shards:
+        """Publish this rank's shards as the current version (kept here, as a trainer keeps them to fence them)."""
         if self.mesh is not None:
-            return rdt.put_shards(self.state(), version=self.version, tensor_transport=transport)
-        return rdt.put_shards(self.state(), version=self.version, layouts=self.layouts(), rank=self.rank,
-                              tensor_transport=transport)
+            self.published = rdt.put_shards(self.state(), version=self.version, tensor_transport=transport)
+        else:
+            self.published = rdt.put_shards(self.state(), version=self.version, layouts=self.layouts(),
+                                            rank=self.rank, tensor_transport=transport)
+        return self.published
 
     def hold_send_threads(self, seconds: float) -> None:
         """Keep every thread this process waits on object sends with busy for ``seconds`` (a stalled producer)."""
@@ -167,6 +171,10 @@ class Consumer:
                 "plans": self.loader.plans, "replays": self.loader.replays,
                 "target_bytes": sum(v.nbytes if v.dtype == torch.float32 else v.numel() * 4
                                     for v in self.targets.values())}
+
+    def load_newest(self, trainers: List[Any]) -> Dict[str, Any]:
+        """Ask the trainer actors for their newest version, then load it."""
+        return self.load(rdt.Manifest.newest(trainers, timeout=10.0))
 
     def share(self, transport: str = "auto") -> rdt.Replica:
         return self.loader.share(tensor_transport=transport)

@@ -333,6 +333,26 @@ def test_a_timed_out_gloo_stream_never_writes_the_targets(gloo_ranks):
     assert all(torch.equal(after[k], before[k]) for k in before), "a timed-out stream wrote into the targets"
 
 
+def test_a_consumer_asks_the_trainers_for_their_newest_version(trainers, consumers):
+    """Before: a consumer could only load the version the driver handed it (no Manifest.newest). The trainer
+    ranks are asked through Ray; while they disagree the ask waits, then names each rank's newest version."""
+    first = _manifest(trainers, "shm")
+    got = rdt.Manifest.newest(trainers, timeout=5.0)
+    assert got.version == first.version and [s.rank for s in got.shards] == [0, 1, 2]
+    ray.get([t.step.remote() for t in trainers[:2]])
+    ray.get([t.publish.remote("shm") for t in trainers[:2]])  # ranks 0 and 1 published the next version; 2 not yet
+    start = time.monotonic()
+    with pytest.raises(rdt.TransferTimeoutError, match=rf"disagree: actor 0: {first.version + 1}, actor 1: "
+                                                       rf"{first.version + 1}, actor 2: {first.version}"):
+        rdt.Manifest.newest(trainers, timeout=0.5)
+    assert time.monotonic() - start < 5.0
+    ray.get(trainers[2].step.remote())
+    later = trainers[2].publish.remote("shm")  # while the consumer already asks
+    out = ray.get(consumers[0].load_newest.remote(trainers))
+    ray.get(later)
+    _check(out, 0, first.version + 1)
+
+
 def test_a_dead_producer_is_named_by_rank(trainers, consumers):
     """Last in the module: kills a trainer rank of the shared set."""
     manifest = _manifest(trainers, "shm")

@@ -4,6 +4,10 @@ driver gathers every rank's :class:`Shards` into a :class:`Manifest` (no central
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -12,6 +16,7 @@ import torch
 from .._objects.dtensor import is_dtensor, local_layout
 from .._objects.meta import ObjectMeta
 from ..errors import InvalidArgumentError
+from ..transports.base import TransportState
 from .layout import Box, Layout, box_of, intersect, volume
 
 
@@ -58,6 +63,7 @@ class Shards:
             raise InvalidArgumentError(
                 f"{self!r} was published by another process (pid {self.meta.producer.pid}); a fence runs where the "
                 "weights are", hint="call shards.fence() in the trainer actor that called rdt.put_shards")
+        _newest().drop(self)
         ctx.versions.fence(self.meta.obj_id, self.rank, self.version, 60.0 if seconds is None else seconds)
 
     def __reduce__(self) -> Any:
@@ -145,8 +151,12 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
         locals_[name] = local if local.is_contiguous() else local.contiguous()
         params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
     rank = _rank(rank)
-    return publish_local(locals_, tuple(params), rank=rank, version=version, transport=transport, timeout=seconds,
-                         keep_versions=keep_versions, stream=(rank, tuple(p.name for p in params)))
+    stream = (rank, tuple(p.name for p in params))
+    shards = publish_local(locals_, tuple(params), rank=rank, version=version, transport=transport, timeout=seconds,
+                           keep_versions=keep_versions, stream=stream)
+    if shards.meta is not None:
+        _newest().put(stream, shards)
+    return shards
 
 
 def publish_local(tensors: Dict[str, torch.Tensor], params: Tuple[ParamInfo, ...], *, rank: int, version: int,
@@ -193,6 +203,52 @@ def _rank(rank: Optional[int]) -> int:
                                hint="pass rank=<this trainer's rank>")
 
 
+class _Newest(TransportState):
+    """This process's newest publication per stream (rank and parameter names) that the process still holds (the
+    trainer keeps its Shards to fence them): what ``Manifest.newest`` hands out. Weak: it never keeps a publication
+    alive; a fenced one is dropped. Bounded; held by the process context (none in a forked child)."""
+
+    MAX_STREAMS = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_stream: "OrderedDict[Any, weakref.ref]" = OrderedDict()
+
+    def put(self, stream: Any, shards: Shards) -> None:
+        with self._lock:
+            self._by_stream[stream] = weakref.ref(shards)
+            self._by_stream.move_to_end(stream)
+            while len(self._by_stream) > self.MAX_STREAMS:
+                self._by_stream.popitem(last=False)
+
+    def drop(self, shards: Shards) -> None:
+        with self._lock:
+            for stream in [k for k, v in self._by_stream.items() if v() is shards or v() is None]:
+                del self._by_stream[stream]
+
+    def all(self) -> List[Shards]:
+        with self._lock:
+            held = [(k, v()) for k, v in self._by_stream.items()]
+            for k, _ in (kv for kv in held if kv[1] is None):
+                del self._by_stream[k]
+        return [s for _, s in held if s is not None]
+
+    def close(self) -> None:
+        with self._lock:
+            self._by_stream.clear()
+
+
+def _newest() -> _Newest:
+    from .._process.context import get_context
+
+    return get_context().transport_state("sharded-newest", _Newest)
+
+
+def _newest_here(_actor: Any) -> List[Shards]:
+    """Run in a producer actor through Ray: its newest publications (one per stream)."""
+    return _newest().all()
+
+
 class Manifest:
     """Every producer rank's :class:`Shards` of one version: what the driver hands to consumers. Checked when made:
     one version, one rank per publication, each parameter's dtype and global shape agreeing, and its boxes either
@@ -221,6 +277,45 @@ class Manifest:
                 self.holders.setdefault(p.name, []).append((s, p))
         for name, held in self.holders.items():
             _check_cover(name, held)
+
+    @staticmethod
+    def newest(producers: Sequence[Any], *, timeout: float = 30.0) -> "Manifest":
+        """The manifest of the newest version that every producer actor (trainer rank) has published and still holds
+        (as it does to fence it), asked of the actors through Ray: for a consumer that pulls the newest weights when
+        it is ready rather than the version the driver hands it. While the ranks disagree (one has published version N + 1, another not yet) it asks
+        again, until ``timeout``: then TransferTimeoutError names each rank's newest version."""
+        import ray
+
+        from ..errors import ProducerDiedError, TransferTimeoutError
+
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
+                                       hint="pass e.g. timeout=30.0")
+        actors = list(producers)
+        if not actors:
+            raise InvalidArgumentError("Manifest.newest needs the producer actors", hint="pass the trainer actors")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = ray.get([a.__ray_call__.remote(_newest_here) for a in actors],  # each ask: >= 1 s
+                              timeout=max(deadline - time.monotonic(), 1.0))
+            except ray.exceptions.GetTimeoutError as e:
+                raise TransferTimeoutError(f"the producer actors did not say their newest version within {timeout}s",
+                                           hint="a trainer rank may be stuck in a long method (its calls run one "
+                                                "at a time); raise timeout=") from e
+            except ray.exceptions.RayActorError as e:
+                raise ProducerDiedError(f"a producer actor died while asked for its newest version: {e}",
+                                        hint="restart the trainer rank and publish again") from e
+            newest = [max((s.version for s in mine), default=None) for mine in got]
+            if None not in newest and len(set(newest)) == 1:
+                return Manifest([s for mine in got for s in mine if s.version == newest[0]])
+            if time.monotonic() >= deadline:
+                raise TransferTimeoutError(
+                    "the producer actors' newest versions disagree: "
+                    + ", ".join(f"actor {i}: {'none published' if v is None else v}" for i, v in enumerate(newest)),
+                    hint="every rank publishes each version (rdt.put_shards); raise timeout= to wait for the slow "
+                         "ones, or load the manifest the driver gathers")
+            time.sleep(0.05)
 
     def __reduce__(self) -> Any:
         return (Manifest, (self.shards,))
