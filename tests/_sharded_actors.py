@@ -67,6 +67,9 @@ class Trainer:
     def file(self) -> str:
         return rdt.__file__
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def step(self) -> None:
         """The optimizer's in-place update: every parameter moves to the next version's values."""
         self.version += 1

@@ -353,6 +353,31 @@ def test_a_consumer_asks_the_trainers_for_their_newest_version(trainers, consume
     _check(out, 0, first.version + 1)
 
 
+def test_a_stopped_producer_fails_the_load_in_time_and_never_writes_after(trainers, consumers):
+    """A trainer rank that is stopped (SIGSTOP: alive, answering nothing) fails the load within its timeout,
+    naming the rank, with the targets untouched; once it runs again, loads succeed."""
+    import os
+    import signal
+
+    ray.get([t.step.remote() for t in trainers])  # a version whose bytes differ from what the targets hold
+    manifest = _manifest(trainers, "shm")
+    before = ray.get(consumers[0].targets_now.remote())
+    pid = ray.get(trainers[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        err = ray.get(consumers[0].try_load.remote(manifest, 2.0))
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert err.startswith("TransferTimeoutError") and "producer rank 1" in err, err
+    assert took < 6.0, took
+    time.sleep(0.5)
+    after = ray.get(consumers[0].targets_now.remote())
+    assert all(torch.equal(after[k], before[k]) for k in before), "a failed load wrote into the targets"
+    _check(ray.get(consumers[0].load.remote(_manifest(trainers, "shm"))), 0, manifest.version)
+
+
 def test_a_dead_producer_is_named_by_rank(trainers, consumers):
     """Last in the module: kills a trainer rank of the shared set."""
     manifest = _manifest(trainers, "shm")
