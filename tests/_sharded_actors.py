@@ -179,6 +179,9 @@ class Consumer:
         """Ask the trainer actors for their newest version, then load it."""
         return self.load(rdt.Manifest.newest(trainers, timeout=10.0))
 
+    def configure(self, **kwargs: Any) -> None:
+        rdt.configure(**kwargs)
+
     def share(self, transport: str = "auto") -> rdt.Replica:
         return self.loader.share(tensor_transport=transport)
 

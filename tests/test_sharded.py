@@ -118,6 +118,30 @@ def test_a_changed_layout_is_planned_again(trainers, consumers):
         assert out["report"].planned and out["plans"] == 2
 
 
+@pytest.mark.parametrize("transport", ["shm"] + (["nixl"] if HAS_NIXL else []))
+def test_costly_ranges_are_read_as_covering_ranges_and_narrowed_here(ray_cluster, trainers, transport):
+    """Before: only exact runs were read. With a transport whose ranges cost more than the bytes between them, the
+    row-parallel slice (one run per row) is read as one covering range per trainer rank into a staging buffer and
+    narrowed here; every byte lands as with exact runs (verify=True too), and the report says so. Cheap ranges: the
+    same loader reads exact runs."""
+    costly, cheap = Consumer.remote(0, TP), Consumer.remote(1, TP)
+    try:
+        ray.get(costly.configure.remote(range_costs={transport: (1e-3, 1e9)}))
+        ray.get(cheap.configure.remote(range_costs={transport: (1e-9, 1e12)}))
+        manifest = _manifest(trainers, transport)
+        out, plain = ray.get([costly.load.remote(manifest, 30.0, True), cheap.load.remote(manifest, 30.0, True)])
+        _check(out, 0, manifest.version)
+        _check(plain, 1, manifest.version)
+        rep = out["report"]
+        assert rep.mode == "covering reads" and set(rep.covered) == {0, 1, 2}, (rep.mode, rep.covered)
+        assert rep.read_bytes > rep.nbytes == out["target_bytes"] and rep.verified_bytes == rep.nbytes, rep
+        assert plain["report"].mode == "exact runs" and not plain["report"].covered
+        assert plain["report"].read_bytes == plain["report"].nbytes
+    finally:
+        ray.kill(costly)
+        ray.kill(cheap)
+
+
 # ---------------------------------------------------------------------------------- replicas share slices
 @pytest.fixture(scope="module")
 def replicas(ray_cluster):
@@ -265,6 +289,7 @@ def gloo_ranks(ray_cluster):
     cs = [Consumer.remote(r, TP) for r in range(TP)]
     assert all(f.startswith(__file__.rsplit("/tests/", 1)[0]) for f in ray.get([t.file.remote() for t in ts]))
     group = rdt.create_collective_group(ts + cs, backend="gloo")
+    ray.get([c.configure.remote(range_costs={"gloo": (1e-9, 1e12)}) for c in cs])  # exact runs: bytes counted
     yield ts, cs
     rdt.destroy_collective_group(group)
     for a in ts + cs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import rdt_transports
 from rdt_transports import GroupHandle
@@ -114,7 +114,8 @@ def _remote_stats(actor_id: str, timeout: float) -> Dict[str, Any]:
 def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Optional[int] = None,
               pool_bytes: Optional[int] = None, shm_cma: Optional[bool] = None, shm_map: Optional[bool] = None,
               relay: Optional[bool] = None, relay_min_bytes: Optional[int] = None,
-              relay_stall_timeout: Optional[float] = None) -> None:
+              relay_stall_timeout: Optional[float] = None,
+              range_costs: Optional[Mapping[str, Tuple[float, float]]] = None) -> None:
     """Change this process's settings (call inside an actor for that actor; env vars set them cluster-wide).
 
     ``shm_map``: whether this consumer maps a same-node producer's tensors that live in shared memory
@@ -123,7 +124,11 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
     ``relay``/``relay_min_bytes``: whether consumers of one gloo object are chained (each forwards to the next, so
     the producer sends it about once), and from what size; a consumer and its producer both have to allow it.
     ``relay_stall_timeout``: seconds (times its place in the chain) a chained consumer waits for a chunk from the
-    consumer before it, then asks the producer."""
+    consumer before it, then asks the producer.
+
+    ``range_costs``: ``{transport: (seconds per range, bytes per second)}`` of its range reads, overriding what the
+    transport declares; sharded loads made after it read a strided slice as one covering range where that is
+    cheaper (``rdt-bench --suites sharded-sync`` measures them)."""
     from .._process.context import get_context
 
     ctx = get_context()
@@ -170,4 +175,14 @@ def configure(*, transfer_timeout: Optional[float] = None, inline_threshold: Opt
             raise InvalidArgumentError(f"relay_stall_timeout must be a number of seconds > 0, got "
                                        f"{relay_stall_timeout!r}", hint="pass e.g. rdt.configure(relay_stall_timeout=5.0)")
         changes["relay_stall_timeout"] = float(relay_stall_timeout)
+    if range_costs is not None:
+        ok = isinstance(range_costs, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and len(v) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v)
+            for k, v in range_costs.items())
+        if not ok:
+            raise InvalidArgumentError(f"range_costs must map transport names to (seconds per range, bytes per "
+                                       f"second), both > 0; got {range_costs!r}",
+                                       hint='pass e.g. rdt.configure(range_costs={"nixl": (5e-6, 3e9)})')
+        changes["range_costs"] = {k: (float(v[0]), float(v[1])) for k, v in range_costs.items()}
     ctx.configure(ctx.config.updated(**changes))  # the pools take a new pool_bytes at once

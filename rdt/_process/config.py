@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Tuple
 
 def _env_float(name: str, default: float) -> float:
     try:
@@ -38,6 +39,9 @@ class RdtConfig:
     relay: bool = True
     relay_min_bytes: int = 16 << 20
     relay_stall_timeout: float = 5.0
+    # Sharded loads: per transport name, (seconds per range, bytes per second) of its range reads, overriding what
+    # the transport declares (rdt-bench's sharded-sync suite measures them); decides exact runs vs covering reads.
+    range_costs: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> "RdtConfig":

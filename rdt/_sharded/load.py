@@ -18,7 +18,7 @@ from .._objects.meta import ObjectMeta
 from ..transports.base import TransportState
 from ..errors import (FenceTimeoutError, IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
                       TransferTimeoutError)
-from . import reads, replica as _replica
+from . import cover, reads, replica as _replica
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
 from .replica import Replica
@@ -52,6 +52,8 @@ class _Pulls:
     n: np.ndarray
     used: Tuple[int, ...] = ()  # the targets these runs land in, ascending
     nbytes: int = 0
+    groups: Optional[cover.Groups] = None  # the runs before merging, by box intersection (covering reads)
+    reads: Dict[str, Optional[cover.ReadPlan]] = field(default_factory=dict)  # per transport; None: exact runs
 
 
 @dataclass
@@ -92,6 +94,15 @@ class LoadReport:
     seconds: float = 0.0
     verified_bytes: int = 0
     verify_seconds: float = 0.0
+    covered: Dict[int, int] = field(default_factory=dict)  # per rank: strided groups read as one covering range
+    read_bytes: int = 0  # bytes the reads moved (more than nbytes where covering reads or whole fetches served)
+
+    @property
+    def mode(self) -> str:
+        """How the bytes were read: "exact runs", "covering reads", "whole fetch", or several joined by " + "."""
+        kinds = {"whole fetch" if p.startswith("whole:") else "covering reads" if self.covered.get(r) else
+                 "exact runs" for r, p in self.paths.items()}
+        return " + ".join(k for k in ("exact runs", "covering reads", "whole fetch") if k in kinds) or "none"
 
 
 class WeightLoader:
@@ -185,11 +196,12 @@ class WeightLoader:
         deadline = start + timeout
         planned = plan is None or plan.key != manifest.layout_key
         if planned:
-            _targets_free([w.landing if w.landing is not None else w.target for w in wants], timeout)
+            _targets_free([w.landing if w.landing is not None else w.target for w in wants]
+                          + (_stagings(plan) if plan is not None else []), timeout)
             plan = _new_plan(wants, manifest)
             self.plans += 1
         else:
-            _targets_free(plan.keep, timeout)
+            _targets_free(plan.keep + _stagings(plan), timeout)
             self.replays += 1
         assert plan is not None
         by_rank = {s.rank: s for s in manifest.shards}
@@ -219,6 +231,11 @@ class WeightLoader:
             shared.shards.fence(timeout=max((deadline - time.monotonic()) / 2, 1e-3))
         except FenceTimeoutError as e:
             logger.warning("rdt: %s; loading the next version anyway", e)
+
+
+def _stagings(plan: _Plan) -> List[torch.Tensor]:
+    """The staging buffers of the plan's covering reads (a timed-out read may still land in them)."""
+    return [rp.staging for p in plan.pulls for rp in p.reads.values() if rp is not None and rp.staging is not None]
 
 
 def _new_plan(wants: List[_Want], manifest: Manifest) -> _Plan:
@@ -287,7 +304,7 @@ def _make_plan(wants: List[_Want], manifest: Manifest) -> List[_Pulls]:
     out = []
     for rank, parts in sorted(runs_by_rank.items()):
         cols = [np.concatenate(c) for c in zip(*parts)]
-        out.append(_Pulls(rank, *_merge(*cols)))
+        out.append(_Pulls(rank, *_merge(*cols), groups=cover.groups(parts)))
     return out
 
 
@@ -369,7 +386,7 @@ def _targets_free(targets: List[torch.Tensor], timeout: float) -> None:
 
 
 def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, Shards],
-              read: Callable[[_Pulls], Tuple[str, int, float]], deadline: float, report: LoadReport,
+              read: Callable[[_Pulls], Tuple[str, int, float, int, int]], deadline: float, report: LoadReport,
               before: Callable[[], None]) -> None:
     """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
     moves), call ``before``, then read every rank at once, each ending its registration as soon as its read is
@@ -390,7 +407,7 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
               lambda p: reads.end(ctx, by_rank[p.rank], readers[p.rank], end_by))
         raise errors[0]
 
-    def read_then_end(p: _Pulls) -> Tuple[Tuple[str, int, float], bool]:
+    def read_then_end(p: _Pulls) -> Tuple[Tuple[str, int, float, int, int], bool]:
         try:
             got = read(p)
         except BaseException:
@@ -404,10 +421,13 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
     done, errors = _each(pool, pulls, read_then_end)
     if errors:
         raise errors[0]
-    for rank, ((label, checked, seconds), _) in done.items():
+    for rank, ((label, checked, seconds, covered, moved), _) in done.items():
         report.paths[rank] = label
         report.verified_bytes += checked
         report.verify_seconds += seconds
+        report.read_bytes += moved
+        if covered:
+            report.covered[rank] = covered
     torn = [rank for rank, (_, held) in sorted(done.items()) if not held]
     if torn:
         raise reads.gone(by_rank[torn[0]], "the producer updated it while this load read it (its fence gave up "
@@ -455,49 +475,98 @@ def _itemsize(dtype: str) -> int:
     return size
 
 
-def _sources(meta: ObjectMeta, pulls: _Pulls) -> Tuple[np.ndarray, np.ndarray]:
-    """Per run, the producer buffer it is read from and the byte offset in that buffer, from this publication's
-    own metadata (never kept across publications)."""
+def _sources(meta: ObjectMeta, leaf: np.ndarray, src: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Per run (its leaf and byte offset in the leaf), the producer buffer it is read from and the byte offset in
+    that buffer, from this publication's own metadata (never kept across publications)."""
     specs = meta.specs  # columns: read them as arrays, no TensorSpec made per leaf
     size = np.array([_itemsize(name) for name in specs.names], np.int64)
     buf = np.asarray(specs.buffer, np.int64)
     base = np.asarray(specs.offset, np.int64) * size[np.asarray(specs.dtype, np.int64)]
-    return buf[pulls.leaf], base[pulls.leaf] + pulls.src
+    return buf[leaf], base[leaf] + src
 
 
 def _pull(shards: Shards, pulls: _Pulls, dst: np.ndarray, keep: List[torch.Tensor], deadline: float,
-          check: Optional[Callable[..., int]] = None) -> Tuple[str, int, float]:
+          check: Optional[Callable[..., int]] = None) -> Tuple[str, int, float, int, int]:
     """Land one rank's runs (``dst``: each run's destination address), then check them when asked: (label of the
-    path that served, bytes checked, seconds the check took). Errors name the rank."""
-    buf, off = _sources(shards.meta, pulls)
-    label = _land(shards, pulls, buf, off, dst, keep, deadline)
+    path that served, bytes checked, seconds the check took, groups read covering, bytes moved). Errors name the
+    rank."""
+    buf, off = _sources(shards.meta, pulls.leaf, pulls.src)
+    label, covered, moved = _land(shards, pulls, buf, off, dst, keep, deadline)
     if check is None or label == "whole:inline":  # inline: the bytes are the manifest's own copy
-        return label, 0, 0.0
+        return label, 0, 0.0, covered, moved
     t0 = time.monotonic()
     checked = check(shards, pulls, buf, off)
-    return label, checked, time.monotonic() - t0
+    return label, checked, time.monotonic() - t0, covered, moved
+
+
+def _read_plan(ctx: Any, pulls: _Pulls, transport: Any, staging_index: int) -> Optional[cover.ReadPlan]:
+    """How ``transport`` reads this rank's runs: None for exact runs, else a plan with covering reads (decided once
+    per plan from the transport's declared range costs, or rdt.configure(range_costs=)'s)."""
+    name = transport.name
+    if name in pulls.reads:
+        return pulls.reads[name]
+    caps = transport.capabilities
+    run_s, bytes_per_s = ctx.config.range_costs.get(name) or (caps.range_run_s, caps.range_bytes_per_s)
+    rp = None
+    if run_s is not None and bytes_per_s and pulls.groups is not None:
+        covered = cover.decide(pulls.groups, run_s, bytes_per_s)
+        if covered.any():
+            rp = cover.plan(pulls.groups, covered, staging_index, _merge)
+    pulls.reads[name] = rp
+    return rp
+
+
+def _covering(meta: ObjectMeta, rp: cover.ReadPlan, keep: List[torch.Tensor]) -> Tuple[Any, np.ndarray, int]:
+    """The Ranges of a read plan with covering reads, the targets' addresses and the staging buffer's."""
+    from .. import transports
+
+    buf, off = _sources(meta, rp.leaf, rp.src)
+    staging = rp.staging_tensor()
+    addrs = np.fromiter((t.data_ptr() for t in keep), dtype=np.uint64, count=len(keep))
+    everywhere = np.append(addrs, np.uint64(staging.data_ptr()))
+    dst = everywhere[rp.target] + rp.dst.astype(np.uint64)
+    tensors = [keep[i] if i < len(keep) else staging for i in rp.used]
+    return transports.Ranges(buf, off, dst, rp.n, tensors), addrs, staging.data_ptr()
+
+
+def _narrow(rp: cover.ReadPlan, addrs: np.ndarray, staging: int) -> None:
+    """Copy the covered groups' runs from the staging buffer into the targets."""
+    from rdt_transports._memcopy import copy_parts
+
+    target, dst, at, n = rp.narrow
+    copy_parts(list(zip((addrs[target] + dst.astype(np.uint64)).tolist(), (at + staging).tolist(), n.tolist())))
 
 
 def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: np.ndarray,
-          keep: List[torch.Tensor], deadline: float) -> str:
-    """Land one rank's runs; the label of the path that served. Errors name the rank."""
+          keep: List[torch.Tensor], deadline: float) -> Tuple[str, int, int]:
+    """Land one rank's runs; (the label of the path that served, groups read covering, bytes moved). Errors name
+    the rank."""
     from .. import transports
     from .._process.context import get_context
     from .._ray.runtime import node_id
 
     meta: ObjectMeta = shards.meta
     ctx = get_context()
-    ranges = transports.Ranges(buf, off, dst, pulls.n, [keep[i] for i in pulls.used])
+    exact = transports.Ranges(buf, off, dst, pulls.n, [keep[i] for i in pulls.used])
     same_node = meta.producer.node_id == node_id()
     names = [n for n, _ in meta.exports]
     names += [meta.transport] if meta.transport != "auto" else [t.name for t in transports.auto_chain()]
     try:
         for name in dict.fromkeys(names):
-            label = transports.get(name).read_ranges(ctx, meta, ranges, same_node, deadline)
+            transport = transports.get(name)
+            rp = _read_plan(ctx, pulls, transport, len(keep))
+            if rp is None:
+                label = transport.read_ranges(ctx, meta, exact, same_node, deadline)
+            else:
+                ranges, addrs, staging = _covering(meta, rp, keep)
+                label = transport.read_ranges(ctx, meta, ranges, same_node, deadline)
+                if label is not None:
+                    _narrow(rp, addrs, staging)
             if label is not None:
-                ctx.stats.add(name, "in", pulls.nbytes, path=label)
-                return label
-        return _whole(ctx, meta, ranges, deadline)
+                moved = pulls.nbytes if rp is None else rp.read_bytes
+                ctx.stats.add(name, "in", moved, path=label)
+                return label, 0 if rp is None else rp.covered, moved
+        return _whole(ctx, meta, exact, deadline), 0, meta.nbytes
     except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
         raise type(e)(f"{shards.source} (version {shards.version}): {e}", rank=shards.rank,
                       object_id=meta.id_hex, hint=e.hint) from e

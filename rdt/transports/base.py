@@ -109,6 +109,11 @@ class Capabilities:
     can_map: bool = False  # can hand consumers views of the producer's memory (tensor_method(ipc_map=True))
     auto_priority: Optional[int] = None  # place in auto's chain (lower first); None: never chosen by auto
     explicit: bool = True  # may be named in tensor_method(tensor_transport=...)
+    # What one more range and one more byte cost this transport's read_ranges (sharded loads read a strided set of
+    # runs as one covering range where that is cheaper); measured by rdt-bench's sharded-sync calibration. None:
+    # exact runs always.
+    range_run_s: Optional[float] = None
+    range_bytes_per_s: Optional[float] = None
 
     def carries(self, devices: FrozenSet[str]) -> bool:
         """Whether an object whose buffers are on ``devices`` (device types) fits this transport."""

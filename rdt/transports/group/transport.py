@@ -73,9 +73,16 @@ class _GroupTransport(Transport):
             state.forget(entry.obj_id)
 
 
+
+# The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (docs/benchmarks.md).
+RANGE_RUN_S = 30e-6
+RANGE_BYTES_PER_S = 0.4e9
+
 class GlooTransport(_GroupTransport):
     capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,
-                                serves_from_holder=True, auto_priority=20)
+                                serves_from_holder=True, auto_priority=20, range_run_s=RANGE_RUN_S,
+                                range_bytes_per_s=RANGE_BYTES_PER_S)
 
     def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
                     deadline: float) -> Optional[str]:

@@ -27,8 +27,15 @@ from ..base import Capabilities, Fetched, Ranges, Served, Site, Transport, Unusa
 REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, binary (read.encode_info)
 
 
+
+# The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (docs/benchmarks.md).
+RANGE_RUN_S = 5e-6
+RANGE_BYTES_PER_S = 3e9
+
 class NixlTransport(Transport):
-    capabilities = Capabilities(name="nixl", devices=frozenset({"cpu", "cuda"}), one_sided=True, auto_priority=30)
+    capabilities = Capabilities(name="nixl", devices=frozenset({"cpu", "cuda"}), one_sided=True, auto_priority=30,
+                                range_run_s=RANGE_RUN_S, range_bytes_per_s=RANGE_BYTES_PER_S)
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[NixlInfo]:
         if chosen != "nixl":

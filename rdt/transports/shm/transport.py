@@ -44,9 +44,15 @@ class ShmDescriptor:
     maps: Optional[_shm_map.MapInfo] = None  # where the buffers lie in the producer's shared storages, if they do
 
 
+
+# The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (docs/benchmarks.md).
+RANGE_RUN_S = 0.7e-6
+RANGE_BYTES_PER_S = 2.5e9
+
 class ShmTransport(Transport):
     capabilities = Capabilities(name="shm", devices=frozenset({"cpu"}), one_sided=True, same_node=True,
-                                auto_priority=10)
+                                auto_priority=10, range_run_s=RANGE_RUN_S, range_bytes_per_s=RANGE_BYTES_PER_S)
 
     def export(self, ctx: Any, entry: Any, chosen: str) -> Optional[ShmDescriptor]:
         wait_ready(entry)  # consumers read the producer's memory one-sidedly from here on

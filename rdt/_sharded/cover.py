@@ -1,0 +1,101 @@
+"""Covering reads. A strided set of runs (a row-parallel slice of a row-major shard: one short run per row) can be
+read as the one contiguous range that covers it, into a staging buffer, and narrowed here. Which is cheaper depends
+on the transport: what one more range costs it against what one more byte costs. Each transport declares those two
+constants (``Capabilities.range_run_s`` and ``range_bytes_per_s``, measured by ``rdt-bench --suites sharded-sync``;
+``rdt.configure(range_costs={name: (run_s, bytes_per_s)})`` overrides them); a transport that declares none is read
+in exact runs. Decided once per plan, producer rank and transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+# The local narrow (copy_parts from the staging buffer into the targets): per run and per byte, measured by
+# rdt-bench's calibration on the 2-core reference machine.
+LOCAL_RUN_S = 0.2e-6
+LOCAL_BYTES_PER_S = 4e9
+
+
+@dataclass
+class Groups:
+    """One producer rank's runs before merging, grouped by the box intersection they copy (a group's runs have one
+    leaf, one target and one length): per run its group, leaf, source offset, target, destination offset, length;
+    per group its first source byte, the bytes covering it, and its run count."""
+
+    gid: np.ndarray
+    leaf: np.ndarray
+    src: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+    n: np.ndarray
+    g_leaf: np.ndarray
+    g_src0: np.ndarray
+    g_cover: np.ndarray
+    g_k: np.ndarray
+    g_bytes: np.ndarray
+
+
+@dataclass
+class ReadPlan:
+    """What one transport reads from one producer rank: runs (``target`` index ``len(keep)`` is the staging buffer)
+    and, for the covered groups, the local narrow from the staging buffer (target, destination, staging offset,
+    length)."""
+
+    leaf: np.ndarray
+    src: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+    n: np.ndarray
+    narrow: Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    covered: int  # groups read as one covering range
+    staging_bytes: int
+    read_bytes: int
+    used: Tuple[int, ...] = ()  # the target indexes the runs land in, ascending
+    staging: Optional[torch.Tensor] = None
+
+    def staging_tensor(self) -> torch.Tensor:
+        """The staging buffer, made on first use and kept with the plan (its bytes: ``staging_bytes``)."""
+        if self.staging is None:
+            self.staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+        return self.staging
+
+
+def groups(parts: List[Tuple[np.ndarray, ...]]) -> Groups:
+    """``parts``: per box intersection (leaf, src, target, dst, n) arrays of its runs (bytes)."""
+    sizes = np.array([len(p[0]) for p in parts], np.int64)
+    gid = np.repeat(np.arange(len(parts), dtype=np.int64), sizes)
+    leaf, src, target, dst, n = (np.concatenate(c) for c in zip(*parts))
+    firsts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    lasts = firsts + sizes - 1
+    return Groups(gid, leaf, src, target, dst, n, leaf[firsts], src[firsts], src[lasts] + n[lasts] - src[firsts],
+                  sizes, np.add.reduceat(n, firsts))
+
+
+def decide(g: Groups, run_s: float, bytes_per_s: float) -> np.ndarray:
+    """Per group: read it covering (True) rather than in exact runs."""
+    exact = g.g_k * run_s + g.g_bytes / bytes_per_s
+    cover = run_s + g.g_cover / bytes_per_s + g.g_k * LOCAL_RUN_S + g.g_bytes / LOCAL_BYTES_PER_S
+    return (g.g_k > 1) & (cover < exact)
+
+
+def plan(g: Groups, covered: np.ndarray, staging_index: int,
+         merge: Callable[..., Tuple[np.ndarray, ...]]) -> ReadPlan:
+    """The runs a transport reads when ``covered`` groups are read covering; ``merge`` joins adjacent exact runs."""
+    keep = ~covered[g.gid]
+    exact = merge(g.leaf[keep], g.src[keep], g.target[keep], g.dst[keep], g.n[keep])
+    idx = np.flatnonzero(covered)
+    stage_at = np.concatenate(([0], np.cumsum(g.g_cover[idx])[:-1])).astype(np.int64) if len(idx) else \
+        np.zeros(0, np.int64)
+    cov = (g.g_leaf[idx], g.g_src0[idx], np.full(len(idx), staging_index, np.int64), stage_at, g.g_cover[idx])
+    leaf, src, target, dst, n = (np.concatenate((a, b)) for a, b in zip(exact, cov))
+    runs = np.flatnonzero(~keep)
+    where = np.zeros(len(covered), np.int64)
+    where[idx] = stage_at
+    grp = g.gid[runs]
+    narrow = (g.target[runs], g.dst[runs], where[grp] + g.src[runs] - g.g_src0[grp], g.n[runs])
+    staging = int(g.g_cover[idx].sum())
+    return ReadPlan(leaf, src, target, dst, n, narrow, len(idx), staging, int(n.sum()),
+                    tuple(np.unique(target).tolist()))
