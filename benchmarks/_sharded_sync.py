@@ -41,6 +41,7 @@ import rdt
 from ._cluster import log
 from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
 from ._mechanism import object_mechanism
+from ._range_costs import calibrate, costs as range_costs
 from ._sharded_sync_actor import actor_class
 from ._sharded_sync_model import MAX_STEPS, engine_wants, trainer_rows
 from ._weight_sync import ModelShape, _error, close_actors, model_shape
@@ -93,7 +94,8 @@ class Row:
     """Eight fresh actors for one case: trainer ranks 0-3 and engine ranks 0-3 (engine e, TP rank r is 2e + r),
     with the groups the case needs."""
 
-    def __init__(self, shape: ModelShape, case: Case, group_timeout: float) -> None:
+    def __init__(self, shape: ModelShape, case: Case, group_timeout: float,
+                 range_costs: Optional[Dict[str, Tuple[float, float]]] = None) -> None:
         self.shape, self.case = shape, case
         self.rows = [trainer_rows(shape, TRAINERS, r) for r in range(TRAINERS)]
         self.wants = [engine_wants(shape, TP, i % TP) for i in range(ENGINES * TP)]
@@ -112,6 +114,8 @@ class Row:
                             + [e.setup_engine.remote(w, self.shapes, not case.loads, case.loads)
                                for e, w in zip(self.engines, self.wants)], timeout=120 + self.timeout)
             self._groups(group_timeout)
+            if case.loads and range_costs:  # this machine's measured range costs (exact runs vs covering reads)
+                ray.get([e.configure.remote(range_costs=range_costs) for e in self.engines], timeout=60)
         except BaseException:
             self.close()
             raise
@@ -245,6 +249,9 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
     n = len(reports[0])
     replays = [[s[i] for s in timed if not s[i]["planned"]] for i in range(n)]
     row["bytes_received"] = [max(r["received"] for r in (s[i] for s in reports)) for i in range(n)]
+    # Covering reads move the bytes between a strided slice's runs too: counted apart (the row names the mode).
+    row["bytes_covering_excess"] = [max(r.get("covering_excess", 0) for r in (s[i] for s in reports))
+                                    for i in range(n)]
     row["bytes_landed"] = [reports[0][i]["nbytes"] for i in range(n)]
     row["read_mode"] = "/".join(sorted({r["mode"] for s in reports for r in s}))
     row["planned_steps"] = sum(1 for s in reports for r in s if r["planned"])
@@ -262,7 +269,8 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
 
 
 def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float,
-             then: Optional[Callable[[Row], None]] = None) -> Dict[str, Any]:
+             then: Optional[Callable[[Row], None]] = None,
+             range_costs: Optional[Dict[str, Tuple[float, float]]] = None) -> Dict[str, Any]:
     """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case, then ``then`` on the
     same actors (the soak; its errors are its own); an error row when the case fails (a wrong byte lands here
     too)."""
@@ -272,7 +280,7 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         return row
     t0 = time.monotonic()
     try:
-        world = Row(shape, case, group_timeout)
+        world = Row(shape, case, group_timeout, range_costs)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"setup: {_error(e)}"
         log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
@@ -410,13 +418,19 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     rows = []
     chosen = getattr(config, "sharded_sync_rows", None)
     soak: Dict[str, Any] = {}
+    wanted = [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
+                                                       (chosen is None or c.impl in chosen) for c in CASES)]
+    measured = calibrate(wanted, config.group_timeout) if wanted else {}
+    rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
+                     mechanism="exact runs, 2 fresh actors per transport", calibration=measured))
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
             rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
             continue
         host = case.impl == SOAK_HOST
         rows.append(run_case(shape, case, warmup, iters, config.group_timeout,
-                             (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None))
+                             (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None,
+                             range_costs(measured)))
         ctx.progress.done((SUITE, case.impl))
     host_row = next((r for r in rows if r["impl"] == SOAK_HOST), None)
     why = f"its host row {SOAK_HOST} was not selected" if host_row is None or "error" in host_row and \

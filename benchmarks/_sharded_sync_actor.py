@@ -281,6 +281,8 @@ class ShardedActor:
         self.check(step)
         return {"planned": report.planned, "nbytes": report.nbytes, "paths": dict(report.paths),
                 "from": "replica" if isinstance(manifest, rdt.Replica) else "trainers",
+                "covering_excess": max(getattr(report, "read_bytes", 0) - report.nbytes, 0)
+                if getattr(report, "covered", None) else 0,
                 "received": _in_bytes() - before, "seconds": total,
                 "overhead_s": None if either is None else max(total - either, 0.0),
                 "control_s": control, "mode": _read_mode(report)}

@@ -255,14 +255,16 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     shape = model_shape(0.004)
     targets = [target_bytes(engine_wants(shape, 2, i % 2)) for i in range(4)]
     by = {r["impl"]: r for r in rows}
-    assert list(by) == [c.impl for c in CASES] + ["rdt-sharded-soak"]
+    assert list(by) == ["rdt-range-costs"] + [c.impl for c in CASES] + ["rdt-sharded-soak"]
+    cal = by["rdt-range-costs"]["calibration"]  # the selected rows' transports, measured with exact runs
+    assert list(cal) == ["shm"] and cal["shm"]["run_s"] > 0 and cal["shm"]["bytes_per_s"] > 1e8, cal
     for impl, r in by.items():
         if impl in run:
             assert "error" not in r, r
             assert r["target_bytes"] == targets and r["bytes_checked"] == sum(targets), r  # every byte compared
             assert len(r["trainer_rss_peak_bytes"]) == 4 and len(r["engine_uss_growth_bytes"]) == 4, r
             assert r["seconds"] > 0 and len(r["times_s"]) == 1, r
-        elif impl != "rdt-sharded-soak":
+        elif impl not in ("rdt-sharded-soak", "rdt-range-costs"):
             assert r["error"] == NOT_SELECTED and "seconds" not in r, r
     soak = by["rdt-sharded-soak"]  # on the shm row's actors: loads with verify=True racing in-place updates
     assert "error" not in soak and soak["steps"] == 20 and soak["transport"] == "shm", soak.get("error")
@@ -271,8 +273,9 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     shm = by["rdt-sharded-shm"]
     direct = _cma_expected() == "cma"
     assert shm["mechanism"] == "shm-direct" if direct else shm["mechanism"].startswith("whole:"), shm
-    if direct:  # exact runs: the bytes received are the targets' bytes, counted by rdt in each engine
-        assert shm["read_mode"] == "exact runs" and shm["bytes_received"] == targets, shm
+    if direct:  # range reads: the bytes received are the targets' bytes (covering reads' excess counted apart)
+        assert "whole fetch" not in shm["read_mode"], shm
+        assert [g - x for g, x in zip(shm["bytes_received"], shm["bytes_covering_excess"])] == targets, shm
     assert shm["planned_steps"] == 4 and all(o > 0 for o in shm["replay_overhead_s"]), shm  # one plan per engine
     got = {t["target"]: t for t in sharded_sync_targets(rows)}
     assert len(got) == 4 * 2 + 1 + 2 + 4 + 4 + 1, sorted(got)  # the replicas row: its trainers' link

@@ -29,8 +29,8 @@ REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, bina
 
 
 # The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
-# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (docs/benchmarks.md).
-RANGE_RUN_S = 5e-6
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, loaded).
+RANGE_RUN_S = 2.5e-6
 RANGE_BYTES_PER_S = 3e9
 
 class NixlTransport(Transport):
