@@ -201,7 +201,8 @@ def link_fields(row: Dict[str, Any]) -> Dict[str, Any]:
     steps = row["link_bytes"]
     payload = [g["n1_out_payload"] for g in steps]
     wire = [g["n1_out"] for g in steps]
-    return {"n1_out_payload_bytes": payload, "n1_out_bytes": wire, "n1_out_packets": [g["n1_out_packets"] for g in steps],
+    return {"n1_out_payload_bytes": payload, "n1_out_bytes": wire,
+            "n1_out_packets": [g["n1_out_packets"] for g in steps],
             "n2_into_bytes": [g["n2_into"] for g in steps], "link_ratio": max(payload) / distinct,
             "link_ratio_best": min(payload) / distinct, "link_wire_ratio": max(wire) / distinct}
 
@@ -262,7 +263,8 @@ def start_cluster(n_nodes: int, object_store_mib: int) -> _netns.NetnsCluster:
 
 
 def xnode_markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]]) -> str:
-    """The object table and the targets as Markdown (the weight-sync rows use _weight_sync_report's table)."""
+    """The object table, the targets and the sharded rows as Markdown (the weight-sync rows use
+    _weight_sync_report's table)."""
     lines = ["| transport | median | best | rate | of 2 Gbit/s link | link counters | path |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("suite") != SUITE:
