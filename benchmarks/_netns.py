@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 BRIDGE = "rdtbr0"
 PREFIX = "10.77.0"
@@ -36,6 +36,9 @@ TEMP_DIR = "/tmp/rdt-netns-ray"
 PIDS_FILE = os.path.join("/tmp", "rdt-netns-pgids")  # process groups we started, for the next run's cleanup
 LOCK_FILE = os.path.join("/tmp", "rdt-netns.lock")  # held while a cluster lives: the names are machine-wide
 CMD_TIMEOUT = 20.0
+# Bytes of headers per packet on these links: Ethernet 14 + IPv4 20 + TCP 20 + its timestamp option 12 (Linux's
+# default); everything the nodes exchange is TCP (Ray's gRPC, Gloo, UCX's tcp transport).
+FRAME_HEADER = 66
 MiB = 1 << 20
 
 
@@ -78,6 +81,12 @@ class Node:
         """Bytes the shaped link carried so far: ``into`` the node (host end) and ``out`` of it (inner end)."""
         return {"into": _qdisc_bytes(["tc"], self.host_veth), "out": _qdisc_bytes(self.exec("tc"), self.ns_veth)}
 
+    def out_stats(self) -> Dict[str, int]:
+        """Bytes and packets (segments) out of the node so far, and the payload those bytes carried: each packet's
+        Ethernet, IPv4 and TCP headers (``FRAME_HEADER``) taken off."""
+        nbytes, packets = _qdisc_stats(self.exec("tc"), self.ns_veth)
+        return {"bytes": nbytes, "packets": packets, "payload": nbytes - packets * FRAME_HEADER}
+
     def link(self, up: bool) -> None:
         """Cut (``up=False``) or restore the node's link at its host end; the inner end sees the carrier go."""
         _run("ip", "link", "set", self.host_veth, "up" if up else "down")
@@ -95,8 +104,14 @@ class Node:
 
 
 def _qdisc_bytes(tc: List[str], dev: str) -> int:
-    out = _run(*tc, "-s", "-j", "qdisc", "show", "dev", dev).stdout
-    return sum(int(q.get("bytes", 0)) for q in json.loads(out) if q.get("root"))
+    return _qdisc_stats(tc, dev)[0]
+
+
+def _qdisc_stats(tc: List[str], dev: str) -> Tuple[int, int]:
+    """(bytes, packets) the root qdisc of ``dev`` passed; the kernel counts a segmentation-offloaded packet as
+    its segments, each with its own headers, as they go on the wire."""
+    qdiscs = [q for q in json.loads(_run(*tc, "-s", "-j", "qdisc", "show", "dev", dev).stdout) if q.get("root")]
+    return sum(int(q.get("bytes", 0)) for q in qdiscs), sum(int(q.get("packets", 0)) for q in qdiscs)
 
 
 def _free_port() -> int:

@@ -95,14 +95,20 @@ class Row:
     with the groups the case needs."""
 
     def __init__(self, shape: ModelShape, case: Case, group_timeout: float,
-                 range_costs: Optional[Dict[str, Tuple[float, float]]] = None) -> None:
+                 range_costs: Optional[Dict[str, Tuple[float, float]]] = None,
+                 nodes: Optional[List[str]] = None) -> None:
+        """``range_costs``: the engine ranks' rdt.configure(range_costs=); ``nodes``: a custom resource per actor
+        (trainer ranks first, then engine ranks) to pin each to a node (the cross-node suite)."""
         self.shape, self.case = shape, case
         self.rows = [trainer_rows(shape, TRAINERS, r) for r in range(TRAINERS)]
         self.wants = [engine_wants(shape, TP, i % TP) for i in range(ENGINES * TP)]
         self.shapes = dict(shape.shapes())
         cls = actor_class()
-        self.trainers = [cls.remote() for _ in range(TRAINERS)]
-        self.engines = [cls.remote() for _ in range(ENGINES * TP)]
+        place = [cls.options(resources={r: 1}) for r in nodes] if nodes else [cls] * (TRAINERS + ENGINES * TP)
+        if len(place) != TRAINERS + ENGINES * TP:
+            raise ValueError(f"nodes: one resource per actor ({TRAINERS + ENGINES * TP}), got {len(place)}")
+        self.trainers = [a.remote() for a in place[:TRAINERS]]
+        self.engines = [a.remote() for a in place[TRAINERS:]]
         self.everyone = self.trainers + self.engines
         self.timeout = 120.0 + shape.nbytes * 8 / 50e6
         self.group: Any = None
@@ -270,17 +276,19 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
 
 def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float,
              then: Optional[Callable[[Row], None]] = None,
-             range_costs: Optional[Dict[str, Tuple[float, float]]] = None) -> Dict[str, Any]:
+             range_costs: Optional[Dict[str, Tuple[float, float]]] = None, nodes: Optional[List[str]] = None,
+             link: Optional[Callable[[], Dict[str, int]]] = None) -> Dict[str, Any]:
     """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case, then ``then`` on the
     same actors (the soak; its errors are its own); an error row when the case fails (a wrong byte lands here
-    too)."""
+    too). ``nodes``: see :class:`Row`; ``link``: byte counters (the cross-node suite's ``tc`` counters) read
+    around each timed step, their growth per step in ``row["link_bytes"]``."""
     row = _base_row(shape, case)
     if warmup + iters + 2 >= MAX_STEPS:
         row["error"] = f"at most {MAX_STEPS - 3} steps (warm-up + timed) per row"
         return row
     t0 = time.monotonic()
     try:
-        world = Row(shape, case, group_timeout, range_costs)
+        world = Row(shape, case, group_timeout, range_costs, nodes)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"setup: {_error(e)}"
         log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
@@ -290,11 +298,17 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         row["shard_bytes"], row["target_bytes"] = world.shard_bytes, world.target_bytes
         before = world.stats() if case.is_rdt else []
         times, reports = [], []
+        grew: List[Dict[str, int]] = []
         for i in range(warmup + iters):
+            counted = link() if link is not None and i >= warmup else None
             dt, reps = world.step()
             reports.append(reps)
             if i >= warmup:
                 times.append(dt)
+            if counted is not None and link is not None:
+                grew.append({k: v - counted[k] for k, v in link().items()})
+        if grew:
+            row["link_bytes"] = grew
         after = world.stats() if case.is_rdt else []
         if case.loads and after:  # rdt's own count of one engine rank's staging on trainer rank 0 (gloo-ranges)
             row["staging_stream_peak_bytes"] = (after[0].get("gloo_ranges") or {}).get("staging_stream_peak")

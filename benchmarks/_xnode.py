@@ -1,8 +1,11 @@
 """The cross-node suite (issue 15): Ray nodes in network namespaces joined by 2 Gbit/s ``tbf`` links
 (benchmarks/_netns.py). A 128 MiB object n1 -> n2 per transport, as a fraction of the shaped link rate, and the
-weight sync with the trainer on n1 and 1, 2, 4 workers on other nodes. Every object fetch checks that both ends of
-the link counted at least the payload (a path through shared memory between namespaces would not), and every row
-names the path that served it. Needs root and iproute2; not in the default run (``rdt-bench --suites xnode``).
+weight sync with the trainer on n1 and 1, 2, 4 workers on other nodes, and the sharded-sync suite's rows
+(benchmarks/_sharded_sync.py) with the 4 trainer ranks on n1 and the 2 engines x TP 2 on n2, where n1's outbound
+``tc`` counter over the timed steps, against the distinct slices (one engine's targets), shows what replicas save
+on the trainer node's link. Every object fetch checks that both ends of the link counted at least the payload (a
+path through shared memory between namespaces would not), and every row names the path that served it. Needs root
+and iproute2; not in the default run (``rdt-bench --suites xnode``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import torch
 import rdt
 
 from . import _netns
+from . import _sharded_sync as _ss
 from ._cluster import log
 from ._weight_sync import CASES, World, _error, model_shape, run_case
 
 SUITE = "xnode"
+SHARDED = "xnode-sharded"
 MiB = 1 << 20
 OBJECT_BYTES = 128 * MiB
 LINK_BITS_PER_S = 2e9  # _netns.RATE
@@ -30,6 +35,11 @@ FANOUT_TARGET = 1.6  # 4 workers / 1 worker
 VS_RAY_TARGET = 3.0  # Ray's built-in RDT over Gloo / rdt, at 4 workers
 WS_CASES = ("ray-rdt-gloo", "ray.collective-broadcast", "rdt-gloo+copy", "rdt-gloo+into", "rdt-nixl+copy",
             "rdt-nixl+into")
+REPLICA_LINK_NEED = 1.02  # the trainer node's out-link bytes per step / the distinct slices it serves
+# Transports that serve ranges across nodes here (shm-direct does not cross nodes): NIXL READ (UCX over TCP on the
+# veth) and gloo ranges over an rdt gloo group of the 8 actors; each with and without replicas.
+SHARDED_CASES: Tuple[_ss.Case, ...] = tuple(_ss.Case(f"rdt-sharded-{r}{t}", k, t) for t in ("nixl", "gloo")
+                                            for r, k in (("", "sharded"), ("replicas-", "replicas")))
 # (label, producer method, group backend or None): ucx can only be reached through `auto` with a ucx group
 OBJECT_CASES: Tuple[Tuple[str, str, Optional[str]], ...] = (
     ("gloo", "make_gloo", "gloo"), ("nixl", "make_nixl", None), ("ucx (auto)", "make_auto", "ucx"))
@@ -145,9 +155,75 @@ def weight_sync_rows(scale: float, workers: List[int], warmup: int, iters: int, 
     return rows
 
 
+def sharded_rows(net: _netns.NetnsCluster, scale: float, warmup: int, iters: int, group_timeout: float,
+                 chosen: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """The sharded-sync rows (``chosen``: their names, default all) with the trainer ranks on n1 and the engine
+    ranks on n2; n1's outbound and n2's inbound counters read around each timed step."""
+    shape = model_shape(scale)
+    log(f"{SHARDED}: {shape.describe()}; {_ss.TRAINERS} trainer ranks on n1 -> {_ss.ENGINES} engines x TP {_ss.TP} "
+        f"on n2; {warmup} warm-up + {iters} timed steps per row")
+    n1, n2 = net.nodes[0], net.nodes[1]
+    nodes = [n1.resource] * _ss.TRAINERS + [n2.resource] * (_ss.ENGINES * _ss.TP)
+
+    def link() -> Dict[str, int]:
+        return link_counters(n1, n2)
+
+    # The transports declare their range costs on loopback; across this link a byte costs the link's rate, so the
+    # engine ranks decide exact runs vs covering reads with that bandwidth.
+    link_bps = LINK_BITS_PER_S / 8
+    costs = {t: (rdt.transports.get(t).capabilities.range_run_s or 1e-9, link_bps) for t in ("nixl", "gloo")}
+    rows = []
+    for case in SHARDED_CASES:
+        if chosen is not None and case.impl not in chosen:
+            continue
+        row = _ss.run_case(shape, case, warmup, iters, group_timeout, range_costs=costs, nodes=nodes, link=link)
+        row.update(suite=SHARDED, cluster="netns", trainer_node=n1.resource, engine_node=n2.resource)
+        if "error" not in row:
+            row.update(link_fields(row))
+            log(f"{SHARDED} {case.impl:<26} median {row['seconds'] * 1e3:7.0f} ms  n1 out-link payload "
+                f"{row['link_ratio']:.3f}x the distinct slices (wire {row['link_wire_ratio']:.3f}x; "
+                f"{max(row['n1_out_payload_bytes']) / 1e6:.1f} MB/step, distinct "
+                f"{row['distinct_slice_bytes'] / 1e6:.1f} MB), {row['bytes_checked'] / 1e6:.1f} MB compared "
+                f"[{row['mechanism']}, {row['read_mode']}]")
+        rows.append(row)
+    return rows
+
+
+def link_counters(trainer: _netns.Node, engine: _netns.Node) -> Dict[str, int]:
+    """The trainer node's outbound counters (bytes on the wire, packets, payload) and the engine node's inbound
+    bytes."""
+    out = trainer.out_stats()
+    return {"n1_out": out["bytes"], "n1_out_packets": out["packets"], "n1_out_payload": out["payload"],
+            "n2_into": engine.counters()["into"]}
+
+
+def link_fields(row: Dict[str, Any]) -> Dict[str, Any]:
+    """Per timed step: what left the trainer node (payload: the wire bytes less each packet's headers; and the wire
+    bytes) and the bytes into the engine node; the worst step's payload over the distinct slices (one engine's
+    targets) is the row's link ratio, the wire bytes' beside it."""
+    distinct = row["distinct_slice_bytes"]
+    steps = row["link_bytes"]
+    payload = [g["n1_out_payload"] for g in steps]
+    wire = [g["n1_out"] for g in steps]
+    return {"n1_out_payload_bytes": payload, "n1_out_bytes": wire,
+            "n1_out_packets": [g["n1_out_packets"] for g in steps],
+            "n2_into_bytes": [g["n2_into"] for g in steps], "link_ratio": max(payload) / distinct,
+            "link_ratio_best": min(payload) / distinct, "link_wire_ratio": max(wire) / distinct}
+
+
 def xnode_targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The issue's targets, measured: objects >= 80 % of the link; weight sync 4 vs 1 worker, and vs Ray's RDT."""
+    """The issue's targets, measured: objects >= 80 % of the link; weight sync 4 vs 1 worker, and vs Ray's RDT;
+    the sharded replicas rows' trainer out-link <= 1.02x the distinct slices."""
     out: List[Dict[str, Any]] = []
+    for r in rows:
+        if r.get("suite") == SHARDED and r.get("kind") == "replicas":
+            desc = (f"{r['impl']}: each trainer node's out-link carries <= {REPLICA_LINK_NEED}x the distinct "
+                    "slices it serves")
+            if "error" in r:
+                out.append({"target": desc, "value": None, "met": None, "status": r["error"]})
+            else:
+                out.append({"target": desc, "value": round(r["link_ratio"], 4),
+                            "met": r["link_ratio"] <= REPLICA_LINK_NEED})
     for r in rows:
         if r.get("suite") == SUITE and "error" not in r:
             out.append({"target": f"{r['impl']} 128 MiB n1->n2 >= {OBJECT_TARGET:.0%} of link",
@@ -191,7 +267,8 @@ def start_cluster(n_nodes: int, object_store_mib: int) -> _netns.NetnsCluster:
 
 
 def xnode_markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]]) -> str:
-    """The object table and the targets as Markdown (the weight-sync rows use _weight_sync_report's table)."""
+    """The object table, the targets and the sharded rows as Markdown (the weight-sync rows use
+    _weight_sync_report's table)."""
     lines = ["| transport | median | best | rate | of 2 Gbit/s link | link counters | path |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("suite") != SUITE:
@@ -203,7 +280,33 @@ def xnode_markdown(rows: List[Dict[str, Any]], targets: List[Dict[str, Any]]) ->
                      f"{r['gbps']:.3f} GB/s | {r['link_fraction'] * 100:.1f} % | "
                      f"{'ok' if r['link_counters_ok'] else 'SHORT'} | {r['mechanism']} |")
     lines += ["", "| target | value | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
+    lines += [f"| {t['target']} | {t['value']} | {_met(t)} |" for t in targets]
+    sharded = [r for r in rows if r.get("suite") == SHARDED]
+    return "\n".join(lines + (["", sharded_markdown(sharded)] if sharded else []))
+
+
+def _met(t: Dict[str, Any]) -> str:
+    return "yes" if t["met"] else f"not run: {t.get('status', '')}" if t["met"] is None else "NO"
+
+
+def sharded_markdown(rows: List[Dict[str, Any]]) -> str:
+    """The sharded rows: step time, the trainer node's out-link (and the engine node's in-link) per timed step
+    against the distinct slices, rdt's own count of what left the trainer ranks, and the bytes compared."""
+    lines = ["| row (trainers n1 -> engines n2) | path, reads | median step | best | distinct slices | "
+             "n1 out-link payload / step | / distinct (worst step) | n1 out-link wire bytes / distinct | "
+             "n2 in-link / step | rdt: sent by trainers / distinct | bytes compared |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | error: {r['error']} | | | | | | | | | |")
+            continue
+        mb = 1e6
+        lines.append(
+            f"| {r['impl']} | {r['mechanism']}, {r['read_mode']} | {r['seconds'] * 1e3:.0f} ms | "
+            f"{r['seconds_best'] * 1e3:.0f} ms | {r['distinct_slice_bytes'] / mb:.1f} MB | "
+            f"{max(r['n1_out_payload_bytes']) / mb:.1f} MB | {r['link_ratio']:.3f}x | {r['link_wire_ratio']:.3f}x | "
+            f"{max(r['n2_into_bytes']) / mb:.1f} MB | {r['trainer_sent_bytes'] / r['distinct_slice_bytes']:.3f}x | "
+            f"{r['bytes_checked'] / mb:.1f} MB |")
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sh
 from ._targets import weight_sync_targets
 from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
 from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
+from ._xnode import SHARDED_CASES as XNODE_SHARDED_CASES
 from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
                       write_png)
 
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-sync-workers", default="1,2,4", help="weight-sync worker counts")
     p.add_argument("--sharded-sync-rows", default=None,
                    help=f"sharded-sync rows to run (default all: {', '.join(c.impl for c in SHARDED_CASES)}); the "
-                   "others are reported as not selected")
+                   "others are reported as not selected. With --suites xnode: the cross-node sharded rows to run "
+                   f"(default all: {', '.join(c.impl for c in XNODE_SHARDED_CASES)})")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="print the speed-up (B/A throughput) of every cell in both runs, and the cells in one only")
@@ -286,6 +288,11 @@ def run_xnode(args: argparse.Namespace) -> int:
     from . import _xnode
 
     workers = [int(w) for w in _csv(args.weight_sync_workers)]
+    chosen = _csv(args.sharded_sync_rows) if args.sharded_sync_rows else None
+    unknown = sorted(set(chosen or ()) - {c.impl for c in XNODE_SHARDED_CASES})
+    if unknown:
+        log(f"unknown cross-node sharded row(s) {unknown}; choose from {[c.impl for c in XNODE_SHARDED_CASES]}")
+        return 2
     scale = args.weight_sync_scale or (0.01 if args.quick else XNODE_SCALE)
     iters = args.iters or (3 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else 1
@@ -306,6 +313,8 @@ def run_xnode(args: argparse.Namespace) -> int:
         rows += _xnode.object_rows(cluster, iters, timeout=120.0)
         write_json(json_path, meta, rows)
         rows += _xnode.weight_sync_rows(scale, workers, warmup, iters, args.group_timeout or 60.0)
+        write_json(json_path, meta, rows)
+        rows += _xnode.sharded_rows(cluster, scale, warmup, iters, args.group_timeout or 60.0, chosen)
     finally:
         ray.shutdown()
         cluster.stop()

@@ -230,6 +230,39 @@ def test_collectives_cross_the_link(net, peers, backend):
         group.destroy(timeout=30)
 
 
+def test_sharded_replicas_cross_the_link_once(net, peers):
+    """rdt-bench's cross-node replicas row (``rdt-bench --suites xnode``) at a tiny scale: 4 trainer ranks on n1,
+    2 engines x TP 2 on n2, engine 0's ranks load their slices from the trainers over NIXL and share them, engine
+    1's ranks load the offers. Every timed step, n1's outbound link carries the distinct slices (engine 0's
+    targets) at least once and at most 1.02x, n2's inbound link at least once, and every byte of every engine's
+    targets equals the trainers'; the row meets its target in the suite's report."""
+    from benchmarks import _sharded_sync as ss
+    from benchmarks import _xnode
+
+    transport = "nixl" if HAS_NIXL else "gloo"
+    impl = f"rdt-sharded-replicas-{transport}"
+    t0 = time.monotonic()
+    (row,) = _xnode.sharded_rows(net, 0.02, 1, 2, 60.0, chosen=[impl])
+    assert "error" not in row, row["error"]
+    distinct = row["distinct_slice_bytes"]
+    print(f"{impl} n1 -> n2 in {time.monotonic() - t0:.1f} s: n1 out per step {row['n1_out_payload_bytes']} "
+          f"payload, {row['n1_out_bytes']} wire; n2 in {row['n2_into_bytes']}; distinct {distinct}; ratio "
+          f"{row['link_ratio']:.4f} (wire {row['link_wire_ratio']:.4f})")
+    assert (row["trainer_node"], row["engine_node"], len(row["n1_out_bytes"])) == ("n1", "n2", 2), row
+    assert distinct == sum(row["target_bytes"][:ss.TP]) > 4 * MiB, row["target_bytes"]
+    # the payload is the wire bytes less 66 B of headers per packet: at least the slices (the header estimate is
+    # not too large), at most 1.02x (what the row's target requires)
+    assert all(distinct <= b <= _xnode.REPLICA_LINK_NEED * distinct for b in row["n1_out_payload_bytes"]), row
+    assert all(b >= distinct for b in row["n2_into_bytes"]), row["n2_into_bytes"]
+    assert row["bytes_checked"] == sum(row["target_bytes"]), (row["bytes_checked"], row["target_bytes"])
+    # rdt's own counters agree: what left the trainer ranks is the distinct slices; engine 1 read the replicas.
+    assert distinct <= row["trainer_sent_bytes"] <= 1.01 * distinct, (row["trainer_sent_bytes"], distinct)
+    assert any(m.startswith("replica:") for m in row["mechanism"].split("/")), row["mechanism"]
+    targets = _xnode.xnode_targets([row])
+    assert [(t["value"], t["met"]) for t in targets] == [(round(row["link_ratio"], 4), True)], targets
+    assert f"| {impl} | " in _xnode.xnode_markdown([row], targets)
+
+
 def test_link_cut_mid_transfer_is_a_typed_error(net, peers):
     """n2's link goes down while n1 fetches 256 MiB from n2 over Gloo: n1 gets a typed rdt error within its
     transfer timeout, the driver does not hang, a group without n2 works, and after the link is back the group with
