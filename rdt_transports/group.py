@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tupl
 
 import torch
 
-from . import algorithms
+from . import _lifecycle, algorithms
 from ._checked_p2p import CheckedP2P
 from ._tensors import FLOAT_DTYPES, SUPPORTED_DTYPES, as_torch, check_same, check_tensor, plain_if_empty
 from .backends.base import TAG_KIND_OBJECT, TAG_KIND_P2P, TAG_KIND_SHIFT, Backend, Work
@@ -167,6 +167,14 @@ class CollectiveGroup:
         except Exception:  # noqa: BLE001 - no Ray here, or the GCS is unreachable: no record known
             return None
         return value.decode(errors="replace") if value is not None else None
+
+    def _teardown_reason(self) -> Optional[str]:
+        """Why this group is being torn down, if it is: this process is exiting (its exit hook destroys every group,
+        so a peer whose socket closed first, e.g. an actor ended by the exiting driver's handles, only won the
+        race), or the driver published an abort record (a peer aborted on it before this rank read it)."""
+        if _lifecycle.exiting():
+            return "the process is exiting"
+        return self._abort_requested()
 
     def blocked_for(self, now: float) -> float:
         """Seconds the oldest call in flight has been running (0 when none): the abort watcher's cue."""
@@ -345,8 +353,8 @@ class CollectiveGroup:
                     failed, RdtError):  # the backend was aborted because the group errored: say why
                 raise type(failed)(failed.message, group=self.name, rank=self.rank, peer=failed.peer, op=op,
                                    object_id=failed.object_id, hint=failed.hint) from e
-            reason = self._abort_requested() if isinstance(e, CommunicationError) else None
-            if reason is not None:  # a peer aborted on the driver's request before this rank saw the record
+            reason = self._teardown_reason() if isinstance(e, CommunicationError) else None
+            if reason is not None:  # the group is being torn down, and a peer's side closed before this rank's
                 self.abort(reason)
                 raise GroupDestroyedError(f"{op} ended: {reason}", group=self.name, rank=self.rank, op=op,
                                           hint="create the group again before using it") from e

@@ -61,9 +61,9 @@ class Producer:
 
 
 def main() -> int:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES",
-                                                                   "UCX_WARN_UNUSED_ENV_VARS", "NIXL_LOG_LEVEL")}})
+    # The local cluster's processes inherit the variables set above: no job runtime_env (it would start every
+    # worker through Ray's setup_worker, an extra interpreter per actor).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20)
     rdt.configure(inline_threshold=0)
     a, b = Producer.remote(), Producer.remote()
     group = rdt.create_collective_group([a, b], backend="gloo")

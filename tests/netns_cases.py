@@ -334,8 +334,9 @@ def test_removed_node_is_a_typed_error(net, peers):
                     or issubclass(caught.cls, ProducerDiedError), caught
             print("removed:", t, caught.cls.__name__, f"after {seconds:.1f} s")
     finally:
-        # Waits for n2's member until Ray declares the node dead (health checks, ~20 s here): bounded by its timeout.
-        group.destroy(timeout=40)
+        # n2's member never answers (Ray declares its node dead only after ~20 s of failed health checks): the destroy
+        # returns at its timeout, with the live members' sides destroyed.
+        group.destroy(timeout=5)
     rest = rdt.create_collective_group([h, p1], backend="gloo", name="netns-after-remove")
     try:
         ref = p1.make_gloo.remote(210, 4 * MiB)

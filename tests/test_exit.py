@@ -37,6 +37,61 @@ def test_driver_using_every_transport_exits_cleanly():
     assert "STUCK_TCP_RECV_ENDED=GroupDestroyedError" in out, out
 
 
+_PEER_CLOSES_FIRST = textwrap.dedent(
+    """
+    import sys, threading, time
+    import ray, torch
+    import rdt_transports
+    from rdt_transports import _lifecycle
+
+    ray.init(address=sys.argv[1], log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        def join(self, name):
+            rdt_transports.init_collective_group(2, 1, "gloo", name, timeout=60)
+
+    peer = Peer.remote()
+    joined = peer.join.remote("exit-order")
+    group = rdt_transports.init_collective_group(2, 0, "gloo", "exit-order", timeout=60)
+    ray.get(joined)
+
+    def recv_forever():
+        try:
+            rdt_transports.recv(torch.zeros(8), 1, "exit-order", timeout=600)
+        except rdt_transports.RdtError as e:
+            print(f"STUCK_RECV_ENDED={type(e).__name__}: {e}", flush=True)
+
+    stuck = threading.Thread(target=recv_forever, daemon=True)
+    stuck.start()
+    deadline = time.monotonic() + 30
+    while group.blocked_for(time.monotonic()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def peer_closes_first():
+        # Runs first among the exit stoppers: the peer's sockets close while this process is exiting but before
+        # its own stopper aborts the group (as when the driver's dropped handles end its actors at exit).
+        ray.kill(peer)
+        stuck.join(30)
+
+    _lifecycle.at_exit(peer_closes_first)
+    print("DRIVER_DONE", flush=True)
+    """
+)
+
+
+def test_receive_ended_by_exit_reports_destroyed_even_when_the_peer_closed_first(ray_cluster, tmp_path):
+    """At exit a blocked receive ends with GroupDestroyedError, also when the peer's socket closed before this
+    process's exit stopper aborted the group: the process is destroying its groups either way."""
+    script = tmp_path / "peer_closes_first.py"
+    script.write_text(_PEER_CLOSES_FIRST)
+    proc = _run([str(script), ray_cluster.get_runtime_context().gcs_address], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
+    assert "DRIVER_DONE" in out, out + proc.stderr[-2000:]
+    assert "STUCK_RECV_ENDED=GroupDestroyedError" in out, out + proc.stderr[-2000:]
+
+
 _FORK_SCRIPT = textwrap.dedent(
     """
     import os, sys, secrets

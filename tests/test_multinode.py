@@ -8,7 +8,6 @@ This module shuts the shared session cluster down first and leaves Ray shut down
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Any, Dict
 
@@ -22,8 +21,6 @@ from ._fault_actors import Peer, checksum, expected_checksum, pid_gone
 from .conftest import HAS_NIXL, wait_for
 
 MiB = 1 << 20
-ENV = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "UCX_WARN_UNUSED_ENV_VARS",
-                                  "NIXL_LOG_LEVEL")}
 DIED = (ProducerDiedError, ray.exceptions.ActorDiedError)
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,7 +41,9 @@ def cluster():
     for name in ("node_b", "node_c"):
         nodes[name] = c.add_node(num_cpus=2, resources={name: 8}, object_store_memory=256 * MiB)
     c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": ENV})
+    # The nodes' processes inherit this process's loopback variables (tests/conftest.py): no job runtime_env, which
+    # would start every worker through Ray's setup_worker (an extra interpreter per actor).
+    ray.init(address=c.address, log_to_driver=False)
     try:
         yield c, nodes
     finally:
