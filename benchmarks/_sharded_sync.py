@@ -332,8 +332,11 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
                 then(world)
             except Exception as e:  # noqa: BLE001 - the soak's failure is its row's, not this case's
                 log(f"{SUITE} soak on {case.impl}'s actors ERROR {_error(e)}")
+        excess = row.get("bytes_covering_excess") or [0] * len(row["bytes_received"])
         log(f"{SUITE} {case.impl:<18} median {row['seconds'] * 1e3:9.1f} ms  received/targets "
-            f"{max(r / t for r, t in zip(row['bytes_received'], row['target_bytes'])):.3f}x  trainer USS +"
+            f"{max((r - x) / t for r, x, t in zip(row['bytes_received'], excess, row['target_bytes'])):.3f}x"
+            f"{' + %.2fx covering' % max(x / t for x, t in zip(excess, row['target_bytes'])) if any(excess) else ''}"
+            f"  trainer USS +"
             f"{max(row['trainer_uss_growth_bytes']) / 1e6:.1f} MB  peak RSS trainer/engine "
             f"{max(row['trainer_rss_peak_bytes']) / 1e6:.0f}/{max(row['engine_rss_peak_bytes']) / 1e6:.0f} MB  "
             f"[{row['mechanism']}]")
