@@ -180,6 +180,56 @@ def split_even(parts: Sequence[Part], k: int) -> List[List[Part]]:
     return [s for s in out if s]
 
 
+def split_even_iov(local: np.ndarray, remote: np.ndarray, k: int) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """:func:`split_even` for ranges given as (n, 2) uint64 iovec arrays (equal lengths row by row): at most ``k``
+    (local, remote) pairs of about equal bytes, in order, a range straddling a boundary split there; no Python
+    object per range."""
+    n = remote[:, 1].astype(np.int64)
+    total = int(n.sum())
+    if total == 0:
+        return []
+    share = max(-(-total // max(k, 1)), 1)
+    ends = np.cumsum(n)
+    starts = ends - n
+    out: List[Tuple[np.ndarray, np.ndarray]] = []
+    for a in range(0, total, share):
+        b = min(a + share, total)
+        i0 = int(np.searchsorted(ends, a, "right"))  # the first range ending after a
+        i1 = int(np.searchsorted(starts, b, "left"))  # the first range starting at or after b
+        lv, rv = local[i0:i1].astype(np.uint64), remote[i0:i1].astype(np.uint64)
+        head = np.uint64(a - int(starts[i0]))
+        tail = np.uint64(int(ends[i1 - 1]) - b)
+        lv[0, 0] += head
+        rv[0, 0] += head
+        lv[0, 1] -= head
+        rv[0, 1] -= head
+        lv[-1, 1] -= tail
+        rv[-1, 1] -= tail
+        out.append((lv, rv))
+    return out
+
+
+def spread_iov(local: np.ndarray, remote: np.ndarray, fn: Callable[[np.ndarray, np.ndarray], None], threads: int,
+               pool: Optional[Executor]) -> None:
+    """:func:`spread` for iovec arrays: ``fn(local, remote)`` over ``threads`` even shares, this thread taking the
+    first; waits for every share, then raises the first error."""
+    shares = split_even_iov(local, remote, threads if pool is not None else 1)
+    futures = [pool.submit(fn, lv, rv) for lv, rv in shares[1:]] if pool is not None else []
+    first: Optional[BaseException] = None
+    try:
+        if shares:
+            fn(*shares[0])
+    except BaseException as e:  # still wait for the others: they copy into live buffers
+        first = e
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - the first error is raised below
+            first = first or e
+    if first is not None:
+        raise first
+
+
 def spread(parts: Sequence[Part], fn: Callable[[Sequence[Part]], None], threads: int,
            pool: Optional[Executor]) -> None:
     """Run ``fn`` over ``parts`` cut into ``threads`` even shares: this thread takes the first, ``pool`` the rest

@@ -177,15 +177,15 @@ class CmaReader:
             raise CmaDenied(errno.ENOSYS, "process_vm_readv is not available")
         try:
             remote = np.frombuffer(info.iov, dtype=np.uint64).reshape(-1, 2)
+            local = np.empty_like(remote)
+            local[:, 0] = dests
+            local[:, 1] = remote[:, 1]
             if self.threads < 2 or int(remote[:, 1].sum()) < _PARALLEL_MIN:  # one thread: the arrays as they are
-                local = np.empty_like(remote)
-                local[:, 0] = dests
-                local[:, 1] = remote[:, 1]
                 if not self._read_spans(pid, local, remote):
                     _low.batched_iov(_READV, pid, local, remote)
-            else:
-                self.spread([(d, a, n) for d, (a, n) in zip(dests, info.ranges) if n],
-                            lambda part: _read_batched(pid, part))
+            else:  # even shares of bytes over the reader threads, as arrays (no Python object per range)
+                _low.spread_iov(local, remote, lambda lv, rv: _low.batched_iov(_READV, pid, lv, rv), self.threads,
+                                self._executor())
         except CmaDenied:
             self._denied.add(pid, started)
             raise

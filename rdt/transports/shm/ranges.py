@@ -27,8 +27,7 @@ def read_ranges(ctx: Any, meta: Any, ranges: Ranges, same_node: bool) -> Optiona
     remote[:, 0] = bases[ranges.buf] + ranges.off.astype(np.uint64)
     remote[:, 1] = ranges.n
     try:
-        shm.cma.read(meta.producer.pid, _cma.CmaInfo(info.guard, remote.tobytes()), ranges.dst.tolist(),
-                     meta.obj_id)
+        shm.cma.read(meta.producer.pid, _cma.CmaInfo(info.guard, remote.tobytes()), ranges.dst, meta.obj_id)
     except _cma.CmaDenied:
         return None
     except _cma.CmaError as e:
