@@ -30,8 +30,10 @@ def splits(n: int, world: int) -> List[int]:
     return [c.shape[0] for c in torch.arange(n).chunk(world)]
 
 
-def rows_of(name: str, rank: int, world: int, sizes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    sizes = list(sizes) if sizes is not None else splits(SHAPES[name][0], world)
+def rows_of(name: str, rank: int, world: int, sizes: Optional[Sequence[int]] = None, dim: int = 0
+            ) -> Tuple[int, int]:
+    """[lo, hi) of ``name`` along ``dim`` that rank ``rank`` of ``world`` holds."""
+    sizes = list(sizes) if sizes is not None else splits(SHAPES[name][dim], world)
     start = sum(sizes[:rank])
     return start, start + (sizes[rank] if rank < len(sizes) else 0)
 
@@ -40,8 +42,9 @@ def rows_of(name: str, rank: int, world: int, sizes: Optional[Sequence[int]] = N
 class Trainer:
     """Rank ``rank`` of ``world``: holds rows of every parameter (plain tensors with a layout, or DTensors)."""
 
-    def __init__(self, rank: int, world: int, dtensor_port: int = 0) -> None:
+    def __init__(self, rank: int, world: int, dtensor_port: int = 0, dims: Optional[Dict[str, int]] = None) -> None:
         self.rank, self.world = rank, world
+        self.dims = dict(dims or {})  # Shard(d) per parameter (default Shard(0))
         self.sizes: Dict[str, Optional[List[int]]] = {n: None for n in SHAPES}
         self.mesh = None
         if dtensor_port:
@@ -60,8 +63,9 @@ class Trainer:
         for name in SHAPES:
             t = full(name, self.version)
             if name not in REPLICATED:
-                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name])
-                t = t[lo:hi].clone()
+                d = self.dims.get(name, 0)
+                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name], d)
+                t = t.narrow(d, lo, hi - lo).contiguous().clone()
             self.local[name] = t
 
     def file(self) -> str:
@@ -76,8 +80,9 @@ class Trainer:
         for name, t in self.local.items():  # exactly full(name, version)'s bytes: x + 1 + 1 may round off x + 2
             new = full(name, self.version)
             if name not in REPLICATED:
-                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name])
-                new = new[lo:hi]
+                d = self.dims.get(name, 0)
+                lo, hi = rows_of(name, self.rank, self.world, self.sizes[name], d)
+                new = new.narrow(d, lo, hi - lo)
             t.copy_(new)
 
     def reshard(self, name: str, sizes: List[int]) -> None:
@@ -94,7 +99,7 @@ class Trainer:
         for name, t in self.local.items():
             shape = SHAPES[name]
             stride = torch.empty(shape).stride()
-            place = [Replicate()] if name in REPLICATED else [Shard(0)]
+            place = [Replicate()] if name in REPLICATED else [Shard(self.dims.get(name, 0))]
             out[name] = DTensor.from_local(t, self.mesh, place, run_check=False, shape=torch.Size(shape),
                                            stride=stride)
         return out
@@ -105,8 +110,11 @@ class Trainer:
             if name in REPLICATED:
                 out[name] = rdt.Layout.whole(SHAPES[name])
             else:
-                lo, _ = rows_of(name, self.rank, self.world, self.sizes[name])
-                out[name] = rdt.Layout(SHAPES[name], (lo,) + (0,) * (len(SHAPES[name]) - 1))
+                d = self.dims.get(name, 0)
+                lo, _ = rows_of(name, self.rank, self.world, self.sizes[name], d)
+                start = [0] * len(SHAPES[name])
+                start[d] = lo
+                out[name] = rdt.Layout(SHAPES[name], tuple(start))
         return out
 
     def publish(self, transport: str = "shm") -> rdt.Shards:

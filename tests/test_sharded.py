@@ -251,6 +251,26 @@ def test_dtensor_ranks_publish_their_local_shards(ray_cluster, consumers):
             ray.kill(t)
 
 
+@pytest.mark.parametrize("dtensor", [False, True], ids=["layout", "dtensor"])
+def test_column_sharded_trainers_serve_every_slice(ray_cluster, consumers, dtensor):
+    """Trainer ranks holding Shard(1) (column blocks, uneven: 1536 and 2048 columns over 3 ranks): the
+    row-parallel o (a column slice) comes whole from the ranks that hold those columns, the column-parallel gate
+    and the fused qkv (row slices) as one short run per row from every rank."""
+    world = 2 if dtensor else 3
+    port = _free_port() if dtensor else 0
+    ts = [Trainer.remote(r, world, port, {"o": 1, "gate": 1, "q": 1}) for r in range(world)]
+    try:
+        manifest = _manifest(ts, "shm")
+        boxes = {p.name: p.box for p in manifest.shards[-1].params}
+        assert boxes["o"][0] == (0, 8) and boxes["o"][1][1] == 1536 and boxes["gate"][0] == (0, 10), boxes
+        for r, out in enumerate(_load(consumers, manifest)):
+            _check(out, r, 0)
+            assert out["report"].planned and set(out["report"].paths) == set(range(world))
+    finally:
+        for t in ts:
+            ray.kill(t)
+
+
 def _shards(rank: int, version: int, **boxes) -> Shards:
     params = tuple(ParamInfo(n, "float32", (8, 4), b) for n, b in boxes.items())
     return Shards(rank, version, params, None)
