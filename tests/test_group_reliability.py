@@ -324,21 +324,25 @@ def init_alone(backend: str, name: str, timeout: float) -> Tuple[Any, bool, List
     return err, rt.is_group_initialized(name), keys
 
 
-@pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
-def test_init_blocks_until_every_rank_joined(ray_cluster, backend: str) -> None:
-    """init_collective_group with a rank that never joins raises CollectiveTimeoutError naming it, at the timeout."""
+@pytest.fixture(scope="module")
+def lone_rank(ray_cluster):
+    """One actor for every backend's lone rank 0: a failed init leaves it no member of anything."""
     (a,) = _peers(1)
+    yield a
+    _kill([a])
+
+
+@pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
+def test_init_blocks_until_every_rank_joined(lone_rank, backend: str) -> None:
+    """init_collective_group with a rank that never joins raises CollectiveTimeoutError naming it, at the timeout."""
     name = f"rel-alone-{backend}"
-    try:
-        err, (caught, member, keys), seconds = _call(a, init_alone, backend, name, 3.0)
-        assert err is None, err
-        assert caught is not None, f"rank 0 of {backend} got a group although rank 1 never joined"
-        assert caught.cls is rte.CollectiveTimeoutError, repr(caught)
-        assert "rank(s) [1]" in caught.message and f"group={name!r}" in caught.message, caught.message
-        assert 2.5 <= seconds < 3.0 + SLACK_S, f"init returned after {seconds:.1f}s (timeout 3 s)"
-        assert not member
-    finally:
-        _kill([a])
+    err, (caught, member, keys), seconds = _call(lone_rank, init_alone, backend, name, 3.0)
+    assert err is None, err
+    assert caught is not None, f"rank 0 of {backend} got a group although rank 1 never joined"
+    assert caught.cls is rte.CollectiveTimeoutError, repr(caught)
+    assert "rank(s) [1]" in caught.message and f"group={name!r}" in caught.message, caught.message
+    assert 2.5 <= seconds < 3.0 + SLACK_S, f"init returned after {seconds:.1f}s (timeout 3 s)"
+    assert not member
 
 
 # ---------------------------------------------------------------------------------------------- item 4
