@@ -83,11 +83,20 @@ def timed_allreduce(name: str, timeout: float, algorithm: str = "auto") -> float
 
 
 # ---------------------------------------------------------------------------------------------- item 1
+@pytest.fixture(scope="module")
+def send_timeout_trio(ray_cluster):
+    """Producer, consumer, other member for both sizes: each case forms (and destroys) a group of its own and
+    resumes the consumer, which leaves the actors as they were but for the consumer's 2 s transfer timeout."""
+    actors = _peers(3)
+    yield actors
+    _kill(actors)
+
+
 @pytest.mark.parametrize("nbytes", [MiB, 32 * MiB], ids=["direct", "go"])
-def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(ray_cluster, nbytes: int) -> None:
+def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(send_timeout_trio, nbytes: int) -> None:
     """A consumer that never posts its receives in time: the producer's send wait ends at the consumer's deadline
     (not its own 60 s transfer timeout), its group is ERRORED, and another member's next collective fails fast."""
-    p, c, o = _peers(3)
+    p, c, o = send_timeout_trio
     name = f"rel-send-timeout-{nbytes}"
     handle = rt.create_collective_group([p, c, o], backend="gloo", group_name=name)
     try:
@@ -114,7 +123,6 @@ def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(ray_clust
     finally:
         _resume_all(c)
         handle.destroy(timeout=10)
-        _kill([p, c, o])
 
 
 def _assert_allreduce(actors: List[Any], name: str, timeout: float = 30.0, algorithm: str = "auto") -> None:
