@@ -83,11 +83,20 @@ def timed_allreduce(name: str, timeout: float, algorithm: str = "auto") -> float
 
 
 # ---------------------------------------------------------------------------------------------- item 1
+@pytest.fixture(scope="module")
+def send_timeout_trio(ray_cluster):
+    """Producer, consumer, other member for both sizes: each case forms (and destroys) a group of its own and
+    resumes the consumer, which leaves the actors as they were but for the consumer's 2 s transfer timeout."""
+    actors = _peers(3)
+    yield actors
+    _kill(actors)
+
+
 @pytest.mark.parametrize("nbytes", [MiB, 32 * MiB], ids=["direct", "go"])
-def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(ray_cluster, nbytes: int) -> None:
+def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(send_timeout_trio, nbytes: int) -> None:
     """A consumer that never posts its receives in time: the producer's send wait ends at the consumer's deadline
     (not its own 60 s transfer timeout), its group is ERRORED, and another member's next collective fails fast."""
-    p, c, o = _peers(3)
+    p, c, o = send_timeout_trio
     name = f"rel-send-timeout-{nbytes}"
     handle = rt.create_collective_group([p, c, o], backend="gloo", group_name=name)
     try:
@@ -114,7 +123,6 @@ def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(ray_clust
     finally:
         _resume_all(c)
         handle.destroy(timeout=10)
-        _kill([p, c, o])
 
 
 def _assert_allreduce(actors: List[Any], name: str, timeout: float = 30.0, algorithm: str = "auto") -> None:
@@ -324,21 +332,25 @@ def init_alone(backend: str, name: str, timeout: float) -> Tuple[Any, bool, List
     return err, rt.is_group_initialized(name), keys
 
 
-@pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
-def test_init_blocks_until_every_rank_joined(ray_cluster, backend: str) -> None:
-    """init_collective_group with a rank that never joins raises CollectiveTimeoutError naming it, at the timeout."""
+@pytest.fixture(scope="module")
+def lone_rank(ray_cluster):
+    """One actor for every backend's lone rank 0: a failed init leaves it no member of anything."""
     (a,) = _peers(1)
+    yield a
+    _kill([a])
+
+
+@pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
+def test_init_blocks_until_every_rank_joined(lone_rank, backend: str) -> None:
+    """init_collective_group with a rank that never joins raises CollectiveTimeoutError naming it, at the timeout."""
     name = f"rel-alone-{backend}"
-    try:
-        err, (caught, member, keys), seconds = _call(a, init_alone, backend, name, 3.0)
-        assert err is None, err
-        assert caught is not None, f"rank 0 of {backend} got a group although rank 1 never joined"
-        assert caught.cls is rte.CollectiveTimeoutError, repr(caught)
-        assert "rank(s) [1]" in caught.message and f"group={name!r}" in caught.message, caught.message
-        assert 2.5 <= seconds < 3.0 + SLACK_S, f"init returned after {seconds:.1f}s (timeout 3 s)"
-        assert not member
-    finally:
-        _kill([a])
+    err, (caught, member, keys), seconds = _call(lone_rank, init_alone, backend, name, 3.0)
+    assert err is None, err
+    assert caught is not None, f"rank 0 of {backend} got a group although rank 1 never joined"
+    assert caught.cls is rte.CollectiveTimeoutError, repr(caught)
+    assert "rank(s) [1]" in caught.message and f"group={name!r}" in caught.message, caught.message
+    assert 2.5 <= seconds < 3.0 + SLACK_S, f"init returned after {seconds:.1f}s (timeout 3 s)"
+    assert not member
 
 
 # ---------------------------------------------------------------------------------------------- item 4
@@ -410,13 +422,13 @@ def test_driver_destroy_reaches_members_stuck_in_a_collective(ray_cluster) -> No
     handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
     try:
         _assert_allreduce(actors, name)
-        busy_ref = actors[2].call.remote(busy, 10.0)
+        busy_ref = actors[2].call.remote(busy, 8.0)  # still busy 2.5 s after the destroy's timeout, as before
         stuck = [a.call.remote(timed_allreduce, name, 60.0) for a in actors[:2]]
         time.sleep(1.5)  # both are blocked in the allreduce now
         t0 = time.monotonic()
-        handle.destroy(timeout=6.0)
+        handle.destroy(timeout=4.0)
         took = time.monotonic() - t0
-        assert took < 6.0 + SLACK_S, f"destroy took {took:.1f}s"
+        assert took < 4.0 + SLACK_S, f"destroy took {took:.1f}s"
         ready, _ = ray.wait(stuck, num_returns=2, timeout=SLACK_S)
         assert len(ready) == 2, f"the stuck allreduce calls still run {time.monotonic() - t0:.1f}s after destroy"
         for err, value, seconds in ray.get(stuck):
