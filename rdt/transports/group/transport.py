@@ -75,9 +75,9 @@ class _GroupTransport(Transport):
 
 
 # The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
-# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, loaded).
-RANGE_RUN_S = 0.5e-6
-RANGE_BYTES_PER_S = 1.2e9
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, quiet).
+RANGE_RUN_S = 0.25e-6
+RANGE_BYTES_PER_S = 1.9e9
 
 class GlooTransport(_GroupTransport):
     capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,

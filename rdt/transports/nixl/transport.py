@@ -29,9 +29,9 @@ REQ_PREPARE_NIXL = 3  # payload: obj_id(16); answer: the object's NixlInfo, bina
 
 
 # The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
-# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, loaded).
-RANGE_RUN_S = 2.5e-6
-RANGE_BYTES_PER_S = 3e9
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, quiet).
+RANGE_RUN_S = 1.3e-6
+RANGE_BYTES_PER_S = 4.4e9
 
 class NixlTransport(Transport):
     capabilities = Capabilities(name="nixl", devices=frozenset({"cpu", "cuda"}), one_sided=True, auto_priority=30,

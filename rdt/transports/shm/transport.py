@@ -46,9 +46,9 @@ class ShmDescriptor:
 
 
 # The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
-# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, loaded).
-RANGE_RUN_S = 1.3e-6
-RANGE_BYTES_PER_S = 3e9
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, quiet).
+RANGE_RUN_S = 0.7e-6
+RANGE_BYTES_PER_S = 8e9
 
 class ShmTransport(Transport):
     capabilities = Capabilities(name="shm", devices=frozenset({"cpu"}), one_sided=True, same_node=True,
