@@ -267,9 +267,11 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
     row["replay_control_s"] = [statistics.median(c) if c else None for c in ctl]  # begin/end round trips, apart
     row["plan_overhead_s"] = [next((r["overhead_s"] for s in reports for r in [s[i]] if r["planned"]), None)
                               for i in range(n)]
-    # What left the trainer ranks per step (the engine ranks that loaded from them; rdt's counters) against the
-    # distinct slices wanted (one data-parallel replica's targets): 2x without replicas here, 1x with.
-    from_trainers = [sum(r["received"] for r in s if r.get("from", "trainers") == "trainers") for s in reports]
+    # What left the trainer ranks per step (the engine ranks that loaded from them; rdt's counters, covering reads'
+    # excess apart as in the bytes target) against the distinct slices wanted (one data-parallel replica's
+    # targets): 2x without replicas here, 1x with.
+    from_trainers = [sum(r["received"] - r.get("covering_excess", 0) for r in s
+                         if r.get("from", "trainers") == "trainers") for s in reports]  # covering reads apart
     row["trainer_sent_bytes"] = max(from_trainers)
     row["distinct_slice_bytes"] = sum(row["target_bytes"][:TP])
 

@@ -28,7 +28,8 @@ SOAK_CYCLE = MAX_STEPS - 1  # the soak's values: step 0's + (step % SOAK_CYCLE),
 class _IoClock:
     """In an engine: the intervals its threads spend inside rdt's transports moving bytes during a load, so that
     the load's own cost (checks, the plan's replay, address rebasing, threads) is its time outside them. It wraps
-    ``rdt.transports.get`` and the loader's whole-fetch fallback; ``ok`` is False where this build has neither."""
+    ``rdt.transports.get``, the loader's whole-fetch fallback and its covering reads' local narrow; ``ok`` is False
+    where this build has neither of the first two."""
 
     def __init__(self) -> None:
         self.spans: List[Tuple[float, float]] = []
@@ -57,6 +58,9 @@ class _IoClock:
 
         transports_mod.get = lambda name: Timed(get(name))  # type: ignore[assignment]
         load_mod._whole = lambda *a, **k: clock.timed(whole, *a, **k)  # type: ignore[attr-defined]
+        narrow = getattr(load_mod, "_narrow", None)  # a covering read's local narrow: bytes moving, not the plan
+        if narrow is not None:
+            load_mod._narrow = lambda *a, **k: clock.timed(narrow, *a, **k)  # type: ignore[attr-defined]
         self.ok = True
         reads_mod = getattr(load_mod, "reads", None)
         if reads_mod is not None and hasattr(reads_mod, "begin") and hasattr(reads_mod, "end"):

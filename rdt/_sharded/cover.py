@@ -7,7 +7,7 @@ in exact runs. Decided once per plan, producer rank and transport."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -49,11 +49,14 @@ class ReadPlan:
     target: np.ndarray
     dst: np.ndarray
     n: np.ndarray
-    narrow: Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    narrow: Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # runs of covered groups without one stride
     covered: int  # groups read as one covering range
     staging_bytes: int
     read_bytes: int
     used: Tuple[int, ...] = ()  # the target indexes the runs land in, ascending
+    # covered groups whose runs step by one stride on both sides, narrowed as one strided copy each:
+    # (target, first destination byte, destination stride, first staging byte, staging stride, runs, run bytes)
+    strided: List[Tuple[int, int, int, int, int, int, int]] = field(default_factory=list)
     staging: Optional[torch.Tensor] = None
 
     def staging_tensor(self) -> torch.Tensor:
@@ -91,11 +94,21 @@ def plan(g: Groups, covered: np.ndarray, staging_index: int,
         np.zeros(0, np.int64)
     cov = (g.g_leaf[idx], g.g_src0[idx], np.full(len(idx), staging_index, np.int64), stage_at, g.g_cover[idx])
     leaf, src, target, dst, n = (np.concatenate((a, b)) for a, b in zip(exact, cov))
-    runs = np.flatnonzero(~keep)
     where = np.zeros(len(covered), np.int64)
     where[idx] = stage_at
+    firsts = np.concatenate(([0], np.cumsum(g.g_k)[:-1])).astype(np.int64)
+    strided: List[Tuple[int, int, int, int, int, int, int]] = []
+    irregular = np.zeros(len(covered), dtype=bool)
+    for j in idx.tolist():  # once per plan: a group's runs are contiguous in the arrays
+        a, k = int(firsts[j]), int(g.g_k[j])
+        ds, ss = np.diff(g.dst[a:a + k]), np.diff(g.src[a:a + k])
+        if (ds == ds[0]).all() and (ss == ss[0]).all() and ds[0] >= g.n[a]:
+            strided.append((int(g.target[a]), int(g.dst[a]), int(ds[0]), int(where[j]), int(ss[0]), k, int(g.n[a])))
+        else:
+            irregular[j] = True
+    runs = np.flatnonzero(irregular[g.gid])
     grp = g.gid[runs]
     narrow = (g.target[runs], g.dst[runs], where[grp] + g.src[runs] - g.g_src0[grp], g.n[runs])
     staging = int(g.g_cover[idx].sum())
     return ReadPlan(leaf, src, target, dst, n, narrow, len(idx), staging, int(n.sum()),
-                    tuple(np.unique(target).tolist()))
+                    tuple(np.unique(target).tolist()), strided)

@@ -529,12 +529,22 @@ def _covering(meta: ObjectMeta, rp: cover.ReadPlan, keep: List[torch.Tensor]) ->
     return transports.Ranges(buf, off, dst, rp.n, tensors), addrs, staging.data_ptr()
 
 
-def _narrow(rp: cover.ReadPlan, addrs: np.ndarray, staging: int) -> None:
-    """Copy the covered groups' runs from the staging buffer into the targets."""
+def _narrow(rp: cover.ReadPlan, keep: List[torch.Tensor], addrs: np.ndarray, staging: int) -> None:
+    """Copy the covered groups' runs from the staging buffer into the targets: one strided copy per group whose
+    runs step by one stride (a row-parallel slice), range by range for the others."""
     from rdt_transports._memcopy import copy_parts
 
+    stage = rp.staging_tensor()
+    flat: Dict[int, torch.Tensor] = {}
+    for t, d0, ds, s0, ss, k, n in rp.strided:
+        into = flat.get(t)
+        if into is None:
+            into = flat[t] = keep[t].reshape(-1).view(torch.uint8)
+        torch.as_strided(into, (k, n), (ds, 1), into.storage_offset() + d0).copy_(
+            torch.as_strided(stage, (k, n), (ss, 1), s0))
     target, dst, at, n = rp.narrow
-    copy_parts(list(zip((addrs[target] + dst.astype(np.uint64)).tolist(), (at + staging).tolist(), n.tolist())))
+    if len(n):
+        copy_parts(list(zip((addrs[target] + dst.astype(np.uint64)).tolist(), (at + staging).tolist(), n.tolist())))
 
 
 def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: np.ndarray,
@@ -561,7 +571,7 @@ def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: 
                 ranges, addrs, staging = _covering(meta, rp, keep)
                 label = transport.read_ranges(ctx, meta, ranges, same_node, deadline)
                 if label is not None:
-                    _narrow(rp, addrs, staging)
+                    _narrow(rp, keep, addrs, staging)
             if label is not None:
                 moved = pulls.nbytes if rp is None else rp.read_bytes
                 ctx.stats.add(name, "in", moved, path=label)
