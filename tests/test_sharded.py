@@ -118,28 +118,34 @@ def test_a_changed_layout_is_planned_again(trainers, consumers):
         assert out["report"].planned and out["plans"] == 2
 
 
+@pytest.fixture(scope="module")
+def cost_pair(ray_cluster):
+    """Two engine ranks: one told that ranges cost more than the bytes between them, one that they cost nothing
+    (the choice is made per transport, so both transports' cases share them)."""
+    costly, cheap = Consumer.remote(0, TP), Consumer.remote(1, TP)
+    ray.get(costly.configure.remote(range_costs={t: (1e-3, 1e9) for t in ("shm", "nixl")}))
+    ray.get(cheap.configure.remote(range_costs={t: (1e-9, 1e12) for t in ("shm", "nixl")}))
+    yield costly, cheap
+    for c in (costly, cheap):
+        ray.kill(c)
+
+
 @pytest.mark.parametrize("transport", ["shm"] + (["nixl"] if HAS_NIXL else []))
-def test_costly_ranges_are_read_as_covering_ranges_and_narrowed_here(ray_cluster, trainers, transport):
+def test_costly_ranges_are_read_as_covering_ranges_and_narrowed_here(trainers, cost_pair, transport):
     """Before: only exact runs were read. With a transport whose ranges cost more than the bytes between them, the
     row-parallel slice (one run per row) is read as one covering range per trainer rank into a staging buffer and
     narrowed here; every byte lands as with exact runs (verify=True too), and the report says so. Cheap ranges: the
     same loader reads exact runs."""
-    costly, cheap = Consumer.remote(0, TP), Consumer.remote(1, TP)
-    try:
-        ray.get(costly.configure.remote(range_costs={transport: (1e-3, 1e9)}))
-        ray.get(cheap.configure.remote(range_costs={transport: (1e-9, 1e12)}))
-        manifest = _manifest(trainers, transport)
-        out, plain = ray.get([costly.load.remote(manifest, 30.0, True), cheap.load.remote(manifest, 30.0, True)])
-        _check(out, 0, manifest.version)
-        _check(plain, 1, manifest.version)
-        rep = out["report"]
-        assert rep.mode == "covering reads" and set(rep.covered) == {0, 1, 2}, (rep.mode, rep.covered)
-        assert rep.read_bytes > rep.nbytes == out["target_bytes"] and rep.verified_bytes == rep.nbytes, rep
-        assert plain["report"].mode == "exact runs" and not plain["report"].covered
-        assert plain["report"].read_bytes == plain["report"].nbytes
-    finally:
-        ray.kill(costly)
-        ray.kill(cheap)
+    costly, cheap = cost_pair
+    manifest = _manifest(trainers, transport)
+    out, plain = ray.get([costly.load.remote(manifest, 30.0, True), cheap.load.remote(manifest, 30.0, True)])
+    _check(out, 0, manifest.version)
+    _check(plain, 1, manifest.version)
+    rep = out["report"]
+    assert rep.mode == "covering reads" and set(rep.covered) == {0, 1, 2}, (rep.mode, rep.covered)
+    assert rep.read_bytes > rep.nbytes == out["target_bytes"] and rep.verified_bytes == rep.nbytes, rep
+    assert plain["report"].mode == "exact runs" and not plain["report"].covered
+    assert plain["report"].read_bytes == plain["report"].nbytes
 
 
 # ---------------------------------------------------------------------------------- replicas share slices
@@ -235,14 +241,15 @@ def test_dtensor_ranks_publish_their_local_shards(ray_cluster, consumers):
     """A DTensor leaf through plain tensor_method failed before with RuntimeError "Attempted to access the data
     pointer on an invalid python storage"; it is now refused naming the leaf, and put_shards publishes it."""
     port = _free_port()
-    ts = [Trainer.remote(r, 2, port) for r in range(2)]
+    ts = [Trainer.remote(r, 2, port, {"o": 1}) for r in range(2)]  # o: Shard(1), column blocks
     try:
         with pytest.raises(rdt.InvalidArgumentError, match=r"leaf \['q'\] is a DTensor.*put_shards"):
             ray.get(ts[0].dtensor_state.remote())
         manifest = _manifest(ts, "shm")
         assert [s.rank for s in manifest.shards] == [0, 1]
         boxes = {p.name: p.box for p in manifest.shards[1].params}
-        assert boxes["o"] == ((4, 8), (0, 1536)) and boxes["norm"] == ((0, SHAPES["norm"][0]),)  # Shard(0) rows; Replicate whole
+        assert boxes["q"] == ((6, 12), (0, SHAPES["q"][1])) and boxes["o"] == ((0, 8), (768, 1536))  # Shard(0), (1)
+        assert boxes["norm"] == ((0, SHAPES["norm"][0]),)  # Replicate: whole
         for r, out in enumerate(_load(consumers, manifest)):
             _check(out, r, 0)
             assert set(out["report"].paths.values()) == {"shm-direct"}
@@ -251,14 +258,13 @@ def test_dtensor_ranks_publish_their_local_shards(ray_cluster, consumers):
             ray.kill(t)
 
 
-@pytest.mark.parametrize("dtensor", [False, True], ids=["layout", "dtensor"])
-def test_column_sharded_trainers_serve_every_slice(ray_cluster, consumers, dtensor):
-    """Trainer ranks holding Shard(1) (column blocks, uneven: 1536 and 2048 columns over 3 ranks): the
-    row-parallel o (a column slice) comes whole from the ranks that hold those columns, the column-parallel gate
-    and the fused qkv (row slices) as one short run per row from every rank."""
-    world = 2 if dtensor else 3
-    port = _free_port() if dtensor else 0
-    ts = [Trainer.remote(r, world, port, {"o": 1, "gate": 1, "q": 1}) for r in range(world)]
+def test_column_sharded_trainers_serve_every_slice(ray_cluster, consumers):
+    """Trainer ranks holding Shard(1) (column blocks, uneven: 1536 and 2048 columns over 3 ranks; DTensors'
+    Shard(1) in the DTensor test below): the row-parallel o (a column slice) comes whole from the ranks that hold
+    those columns, the column-parallel gate and the fused qkv (row slices) as one short run per row from every
+    rank."""
+    world = 3
+    ts = [Trainer.remote(r, world, 0, {"o": 1, "gate": 1, "q": 1}) for r in range(world)]
     try:
         manifest = _manifest(ts, "shm")
         boxes = {p.name: p.box for p in manifest.shards[-1].params}
