@@ -18,6 +18,7 @@ import rdt
 from ._cluster import log
 
 ROWS, COLS, SLICE = 8192, 2048, 128  # bf16: 32 MiB whole; the slice is 8192 runs of 256 bytes
+SMALL_ROWS = 1024  # below a tenth of the model (smoke runs): 4 MiB whole, 1024 runs
 REPS = 5
 EXACT = (1e-9, 1e12)  # ranges cost nothing: exact runs while calibrating
 
@@ -29,19 +30,19 @@ class _Side:
         self.w: Optional[torch.Tensor] = None
         self.kept: Any = None
 
-    def publish(self, transport: str) -> Any:
+    def publish(self, transport: str, rows: int) -> Any:
         if self.w is None:
-            self.w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS).to(torch.bfloat16)
-        self.kept = rdt.put_shards({"w": self.w}, version=0, rank=0, layouts={"w": rdt.Layout.whole((ROWS, COLS))},
-                                   tensor_transport=transport)
+            self.w = torch.arange(rows * COLS, dtype=torch.float32).reshape(rows, COLS).to(torch.bfloat16)
+        self.kept = rdt.put_shards({"w": self.w}, version=0, rank=0,
+                                   layouts={"w": rdt.Layout.whole(tuple(self.w.shape))}, tensor_transport=transport)
         return self.kept
 
-    def times(self, manifest: Any) -> Dict[str, float]:
+    def times(self, manifest: Any, rows: int) -> Dict[str, float]:
         """Median seconds of replayed loads: one row, the whole weight, a column slice."""
         rdt.configure(range_costs={name: EXACT for name in ("shm", "nixl", "gloo")})
         cases = {"row": (torch.empty(1, COLS, dtype=torch.bfloat16), rdt.Region("w", 0, 0, 1)),
-                 "whole": (torch.empty(ROWS, COLS, dtype=torch.bfloat16), rdt.Region("w")),
-                 "slice": (torch.empty(ROWS, SLICE, dtype=torch.bfloat16), rdt.Region("w", 1, 0, SLICE))}
+                 "whole": (torch.empty(rows, COLS, dtype=torch.bfloat16), rdt.Region("w")),
+                 "slice": (torch.empty(rows, SLICE, dtype=torch.bfloat16), rdt.Region("w", 1, 0, SLICE))}
         out = {}
         for name, (target, region) in cases.items():
             loader = rdt.WeightLoader()
@@ -56,17 +57,18 @@ class _Side:
         return out
 
 
-def fit(t: Dict[str, float]) -> Tuple[float, float]:
+def fit(t: Dict[str, float], rows: int = ROWS) -> Tuple[float, float]:
     """(seconds per range, bytes per second) from the three loads' times."""
-    row, whole, sliced = COLS * 2, ROWS * COLS * 2, ROWS * SLICE * 2
+    row, whole, sliced = COLS * 2, rows * COLS * 2, rows * SLICE * 2
     bps = (whole - row) / max(t["whole"] - t["row"], 1e-9)
-    run_s = (t["slice"] - t["row"] - (sliced - row) / bps) / (ROWS - 1)
+    run_s = (t["slice"] - t["row"] - (sliced - row) / bps) / (rows - 1)
     return max(run_s, 1e-9), bps
 
 
-def calibrate(transports: List[str], group_timeout: float) -> Dict[str, Any]:
+def calibrate(transports: List[str], group_timeout: float, rows: int = ROWS) -> Dict[str, Any]:
     """Per transport: the measured (run_s, bytes_per_s), the raw times, and the transport's declared constants;
-    an ``error`` entry for a transport that could not be measured."""
+    an ``error`` entry for a transport that could not be measured. ``rows``: the weight's rows (and the slice's
+    runs)."""
     cls = ray.remote(num_cpus=0, max_restarts=0)(_Side)
     out: Dict[str, Any] = {}
     for name in transports:
@@ -75,11 +77,11 @@ def calibrate(transports: List[str], group_timeout: float) -> Dict[str, Any]:
         try:
             if name == "gloo":
                 group = rdt.create_collective_group([producer, consumer], backend="gloo", timeout=group_timeout)
-            manifest = rdt.Manifest([ray.get(producer.publish.remote(name), timeout=120)])
-            t = ray.get(consumer.times.remote(manifest), timeout=300)
-            run_s, bps = fit(t)
+            manifest = rdt.Manifest([ray.get(producer.publish.remote(name, rows), timeout=120)])
+            t = ray.get(consumer.times.remote(manifest, rows), timeout=300)
+            run_s, bps = fit(t, rows)
             caps = rdt.transports.get(name).capabilities
-            out[name] = {"run_s": run_s, "bytes_per_s": bps, "times_s": t,
+            out[name] = {"run_s": run_s, "bytes_per_s": bps, "times_s": t, "rows": rows,
                          "declared": [caps.range_run_s, caps.range_bytes_per_s]}
             log(f"sharded-sync calibration {name:<5} {run_s * 1e6:8.2f} us per range  {bps / 1e9:6.2f} GB/s  "
                 f"(declared {caps.range_run_s and caps.range_run_s * 1e6} us, "

@@ -41,7 +41,7 @@ import rdt
 from ._cluster import log
 from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
 from ._mechanism import object_mechanism
-from ._range_costs import calibrate, costs as range_costs
+from ._range_costs import ROWS as CAL_ROWS, SMALL_ROWS as CAL_SMALL_ROWS, calibrate, costs as range_costs
 from ._sharded_sync_actor import actor_class
 from ._sharded_sync_model import MAX_STEPS, engine_wants, trainer_rows
 from ._weight_sync import ModelShape, _error, close_actors, model_shape
@@ -439,7 +439,8 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     soak: Dict[str, Any] = {}
     wanted = [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
                                                        (chosen is None or c.impl in chosen) for c in CASES)]
-    measured = calibrate(wanted, config.group_timeout) if wanted else {}
+    rows_ = CAL_ROWS if shape.scale >= 0.1 else CAL_SMALL_ROWS
+    measured = calibrate(wanted, config.group_timeout, rows_) if wanted else {}
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
                      mechanism="exact runs, 2 fresh actors per transport", calibration=measured))
     for case in CASES:

@@ -374,12 +374,12 @@ def test_a_timed_out_gloo_stream_never_writes_the_targets(gloo_ranks):
     before = ray.get(consumers[0].targets_now.remote())
     ray.get([t.step.remote() for t in trainers])
     manifest = rdt.Manifest(ray.get([t.publish.remote("gloo") for t in trainers]))
-    ray.get([t.hold_send_threads.remote(4.0) for t in trainers])
+    ray.get([t.hold_send_threads.remote(3.0) for t in trainers])
     start = time.monotonic()
     with pytest.raises(rdt.TransferTimeoutError, match="producer rank"):
         ray.get(consumers[0].load.remote(manifest, 1.5))
-    assert time.monotonic() - start < 4.0
-    time.sleep(4.0)  # the held threads are free: the streams went out (and failed) meanwhile
+    assert time.monotonic() - start < 3.0
+    time.sleep(3.0)  # the held threads are free: the streams went out (and failed) meanwhile
     after = ray.get(consumers[0].targets_now.remote())
     assert all(torch.equal(after[k], before[k]) for k in before), "a timed-out stream wrote into the targets"
 
