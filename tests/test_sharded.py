@@ -39,12 +39,17 @@ def trainers(ray_cluster):
         ray.kill(t)
 
 
-@pytest.fixture(scope="module")
-def consumers(ray_cluster):
+def _engine_ranks():
+    """One engine's TP ranks (fresh Consumer actors), killed when the fixture ends."""
     cs = [Consumer.remote(r, TP) for r in range(TP)]
     yield cs
     for c in cs:
         ray.kill(c)
+
+
+@pytest.fixture(scope="module")
+def consumers(ray_cluster):
+    yield from _engine_ranks()
 
 
 def _manifest(trainers, transport: str) -> rdt.Manifest:
@@ -152,10 +157,7 @@ def test_costly_ranges_are_read_as_covering_ranges_and_narrowed_here(trainers, c
 @pytest.fixture(scope="module")
 def replicas(ray_cluster):
     """A second data-parallel replica of the engine: the same tensor-parallel ranks, the same wants."""
-    cs = [Consumer.remote(r, TP) for r in range(TP)]
-    yield cs
-    for c in cs:
-        ray.kill(c)
+    yield from _engine_ranks()
 
 
 @pytest.mark.parametrize("transport", ["shm"] + (["nixl"] if HAS_NIXL else []))

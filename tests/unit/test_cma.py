@@ -158,15 +158,21 @@ def test_batched_read_of_many_ranges_and_a_bad_one() -> None:
         _cma._read_batched(os.getpid(), parts)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 7])
-def test_split_even_keeps_every_byte_in_order(k):
-    rng = random.Random(k)
+def _contiguous_parts(seed: int) -> List[Tuple[int, int, int]]:
+    """50 (dest, src, n) ranges of mixed sizes, back to back on both sides (src = dest + 10**12)."""
+    rng = random.Random(seed)
     parts: List[Tuple[int, int, int]] = []
     at = 0
     for _ in range(50):
         n = rng.choice([1, 17, 4096, 1 << 20, 37 << 20])
         parts.append((at, 10 ** 12 + at, n))
         at += n
+    return parts
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_split_even_keeps_every_byte_in_order(k):
+    parts = _contiguous_parts(k)
     shares = low_cma.split_even(parts, k)
     total = sum(n for *_, n in parts)
     assert 1 <= len(shares) <= k
@@ -186,13 +192,7 @@ def test_split_even_iov_cuts_where_split_even_does(k):
     """The array form of split_even (no Python object per range) gives the same shares."""
     import numpy as np
 
-    rng = random.Random(k)
-    parts: List[Tuple[int, int, int]] = []
-    at = 0
-    for _ in range(50):
-        n = rng.choice([1, 17, 4096, 1 << 20, 37 << 20])
-        parts.append((at, 10 ** 12 + at, n))
-        at += n
+    parts = _contiguous_parts(k)
     local = np.array([(d, n) for d, _, n in parts], dtype=np.uint64)
     remote = np.array([(s, n) for _, s, n in parts], dtype=np.uint64)
     got = low_cma.split_even_iov(local, remote, k)
