@@ -112,6 +112,8 @@ class _GlooWork(Work):
         if self._direct:
             try:
                 return self._gloo_wait(deadline)
+            except CollectiveTimeoutError:
+                raise  # it timed out on its own: an abort meanwhile (a sibling's timeout) is not the cause
             except Exception:
                 self._check_abort()  # the abort shut the pairs down: report the abort, not the closed connection
                 raise
@@ -127,6 +129,8 @@ class _GlooWork(Work):
             self._check_abort()
         try:
             return future.result()
+        except CollectiveTimeoutError:
+            raise  # it timed out on its own (see above)
         except Exception:
             self._check_abort()  # the abort closed the pairs: report the abort, not the closed connection
             raise
