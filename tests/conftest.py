@@ -42,8 +42,10 @@ def start_local_ray() -> None:
         return
     # The cluster's processes inherit the loopback variables set above: no job runtime_env, which would start
     # every worker through Ray's setup_worker (an extra interpreter: about a quarter more per actor here).
-    ray.init(num_cpus=16, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
-             _metrics_export_port=_free_port())
+    # address="local": always a cluster of our own, never one that `ray start` (a netns case, a benchmark, the
+    # user) left running on this machine.
+    ray.init(address="local", num_cpus=16, include_dashboard=False, object_store_memory=1 << 30,
+             log_to_driver=False, _metrics_export_port=_free_port())
 
 
 @pytest.fixture(scope="session")
