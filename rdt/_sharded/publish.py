@@ -38,14 +38,16 @@ class Shards:
     weights."""
 
     def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any,
-                 kept_bytes: int = 0, source: str = "") -> None:
+                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None) -> None:
         self.rank = rank
         self.source = source or f"producer rank {rank}"  # how errors name where the bytes come from
         self.version = version
         self.params = params
         self.meta = meta  # ObjectMeta of {name: local shard}, or None when there was nothing to hold
         self.kept_bytes = kept_bytes
-        self.layout_key = hashlib.blake2b(repr(params).encode(), digest_size=16).digest()
+        # A digest of every parameter's name, dtype, global shape and box: made where the shards are published and
+        # carried along (a consumer deserializes hundreds of parameters every step).
+        self.layout_key = layout_key or hashlib.blake2b(repr(params).encode(), digest_size=16).digest()
 
     def fence(self, *, timeout: float = 60.0) -> None:
         """In the producer, before updating the published weights in place: no new reader of this version is let
@@ -68,20 +70,21 @@ class Shards:
 
     def __reduce__(self) -> Any:
         meta = None if self.meta is None else self.meta.__dict__.copy()
-        return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes, self.source))
+        return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes, self.source,
+                               self.layout_key))
 
     def __repr__(self) -> str:
         return f"Shards(rank={self.rank}, version={self.version}, {len(self.params)} params)"
 
 
 def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict],
-                 kept_bytes: int = 0, source: str = "") -> Shards:
+                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None) -> Shards:
     """Unpickle without handing the metadata to rdt's consumer (which would fetch the shards whole)."""
     meta = None
     if meta_state is not None:
         meta = ObjectMeta.__new__(ObjectMeta)
         object.__setattr__(meta, "__dict__", meta_state)
-    return Shards(rank, version, params, meta, kept_bytes, source)
+    return Shards(rank, version, params, meta, kept_bytes, source, layout_key)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -238,6 +241,40 @@ class _Newest(TransportState):
             self._by_stream.clear()
 
 
+class _Checked(TransportState):
+    """The manifest layouts this process found consistent (bounded, least recently used out first): a consumer
+    that deserializes the manifest of every version checks an unchanged layout once."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: "OrderedDict[Any, None]" = OrderedDict()
+
+    def has(self, key: Any) -> bool:
+        with self._lock:
+            if key in self._keys:
+                self._keys.move_to_end(key)
+                return True
+            return False
+
+    def add(self, key: Any) -> None:
+        with self._lock:
+            self._keys[key] = None
+            while len(self._keys) > self.MAX:
+                self._keys.popitem(last=False)
+
+    def close(self) -> None:
+        with self._lock:
+            self._keys.clear()
+
+
+def _checked() -> _Checked:
+    from .._process.context import get_context
+
+    return get_context().transport_state("sharded-checked", _Checked)
+
+
 def _newest() -> _Newest:
     from .._process.context import get_context
 
@@ -275,8 +312,11 @@ class Manifest:
         for s in self.shards:
             for p in s.params:
                 self.holders.setdefault(p.name, []).append((s, p))
-        for name, held in self.holders.items():
-            _check_cover(name, held)
+        checked = _checked()
+        if not checked.has(self.layout_key):  # the check depends on the layout alone: once per layout here
+            for name, held in self.holders.items():
+                _check_cover(name, held)
+            checked.add(self.layout_key)
 
     @staticmethod
     def newest(producers: Sequence[Any], *, timeout: float = 30.0) -> "Manifest":
