@@ -16,8 +16,8 @@ import torch
 
 from .._objects.meta import ObjectMeta
 from ..transports.base import TransportState
-from ..errors import (FenceTimeoutError, IntoBusyError, InvalidArgumentError, ObjectFreedError, ProducerDiedError,
-                      TransferTimeoutError)
+from ..errors import (FenceTimeoutError, GroupDestroyedError, IntoBusyError, InvalidArgumentError, ObjectFreedError,
+                      ProducerDiedError, TransferTimeoutError)
 from . import cover, reads, replica as _replica
 from .layout import Region, intersect, runs
 from .publish import Manifest, ParamInfo, Shards
@@ -54,6 +54,29 @@ class _Pulls:
     nbytes: int = 0
     groups: Optional[cover.Groups] = None  # the runs before merging, by box intersection (covering reads)
     reads: Dict[str, Optional[cover.ReadPlan]] = field(default_factory=dict)  # per transport; None: exact runs
+    sources: Dict[Any, "_Sources"] = field(default_factory=dict)  # the exact runs' (None) and each read plan's
+
+
+class _Sources:
+    """Where a set of runs is read from in one publication (buffer, byte offset) and, for a covering read plan,
+    where it lands: kept while the publications' leaf columns and the targets' addresses stay the same (every
+    version of an unchanged layout), so that a replayed load derives nothing per run."""
+
+    __slots__ = ("columns", "buf", "off", "addrs", "dst")
+
+    def __init__(self) -> None:
+        self.columns: Any = None
+        self.buf = self.off = self.dst = np.zeros(0, np.int64)
+        self.addrs: Any = None
+
+    def of(self, meta: ObjectMeta, leaf: np.ndarray, src: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The runs' (buffer, offset) in ``meta``'s publication; recomputed only when its leaf columns differ."""
+        specs = meta.specs
+        columns = (specs.names, specs.dtype, specs.buffer, specs.offset)
+        if self.columns is None or self.columns != columns:  # list equality: one C-level pass, no arrays made
+            self.buf, self.off = _sources(meta, leaf, src)
+            self.columns = columns
+        return self.buf, self.off
 
 
 @dataclass
@@ -68,14 +91,16 @@ class _Plan:
     keep: List[torch.Tensor]
     nbytes: int
     addrs: Optional[np.ndarray] = None
+    ptrs: List[int] = field(default_factory=list)  # the targets' data pointers, as addrs (compared as a list)
     dst_addrs: List[np.ndarray] = field(default_factory=list)
 
     def destinations(self) -> List[np.ndarray]:
         """Per rank, each run's destination address; recomputed only when a target's data pointer changed."""
-        addrs = np.fromiter((t.data_ptr() for t in self.keep), dtype=np.uint64, count=len(self.keep))
-        if self.addrs is None or not np.array_equal(addrs, self.addrs):
+        ptrs = list(map(torch.Tensor.data_ptr, self.keep))
+        if self.addrs is None or ptrs != self.ptrs:
+            addrs = np.array(ptrs, dtype=np.uint64)
             self.dst_addrs = [addrs[p.target] + p.dst.astype(np.uint64) for p in self.pulls]
-            self.addrs = addrs
+            self.addrs, self.ptrs = addrs, ptrs
         return self.dst_addrs
 
 
@@ -205,13 +230,12 @@ class WeightLoader:
             self.replays += 1
         assert plan is not None
         by_rank = {s.rank: s for s in manifest.shards}
-        dsts = dict(zip((p.rank for p in plan.pulls), plan.destinations()))
         report = LoadReport(manifest.version, planned, plan.nbytes)
         check = verify_with([w.name for w in wants], plan.keep, deadline) if verify else None
-        keep = plan.keep
-        _read_all(_executor(), plan.pulls, by_rank,
-                  lambda p: _pull(by_rank[p.rank], p, dsts[p.rank], keep, deadline, check), deadline, report,
-                  lambda: self._fence_shared(deadline))
+        dsts = dict(zip((p.rank for p in plan.pulls), plan.destinations()))
+        keep, addrs = plan.keep, plan.addrs
+        _read_all(_executor(), plan.pulls, by_rank, lambda p: _Prep(by_rank[p.rank], p, dsts[p.rank], keep, addrs),
+                  lambda prep: _pull(prep, deadline, check), deadline, report, lambda: self._fence_shared(deadline))
         for w in wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
@@ -386,16 +410,22 @@ def _targets_free(targets: List[torch.Tensor], timeout: float) -> None:
 
 
 def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, Shards],
-              read: Callable[[_Pulls], Tuple[str, int, float, int, int]], deadline: float, report: LoadReport,
-              before: Callable[[], None]) -> None:
+              prepare: Callable[[_Pulls], "_Prep"], read: Callable[["_Prep"], Tuple[str, int, float, int, int]],
+              deadline: float, report: LoadReport, before: Callable[[], None]) -> None:
     """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
-    moves), call ``before``, then read every rank at once, each ending its registration as soon as its read is
-    done; a read its version did not hold through (the producer updated the weights meanwhile) fails with
-    VersionGoneError."""
+    moves) and ``prepare`` it, call ``before``, then read every rank at once, each ending its registration as soon
+    as its read is done; a read its version did not hold through (the producer updated the weights meanwhile)
+    fails with VersionGoneError."""
     from .._process.context import get_context
 
     ctx = get_context()
-    readers, errors = _each(pool, pulls, lambda p: reads.begin(ctx, by_rank[p.rank], deadline))
+    readers: Dict[int, bytes] = {}
+
+    def begin(p: _Pulls) -> "_Prep":  # a rank prepares while the others' registrations are still answered
+        readers[p.rank] = reads.begin(ctx, by_rank[p.rank], deadline)
+        return prepare(p)
+
+    preps, errors = _each(pool, pulls, begin)
     if not errors:
         try:
             before()
@@ -409,7 +439,7 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
 
     def read_then_end(p: _Pulls) -> Tuple[Tuple[str, int, float, int, int], bool]:
         try:
-            got = read(p)
+            got = read(preps[p.rank])
         except BaseException:
             try:  # a failed read still ends its registration (bounded, best effort)
                 reads.end(ctx, by_rank[p.rank], readers[p.rank], time.monotonic() + 0.5)
@@ -419,8 +449,8 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
         return got, reads.end(ctx, by_rank[p.rank], readers[p.rank], max(deadline, time.monotonic() + 1.0))
 
     done, errors = _each(pool, pulls, read_then_end)
-    if errors:
-        raise errors[0]
+    if errors:  # a rank's own failure first: a group aborted by a sibling's timeout is its consequence
+        raise next((e for e in errors if not isinstance(e, GroupDestroyedError)), errors[0])
     for rank, ((label, checked, seconds, covered, moved), _) in done.items():
         report.paths[rank] = label
         report.verified_bytes += checked
@@ -485,17 +515,55 @@ def _sources(meta: ObjectMeta, leaf: np.ndarray, src: np.ndarray) -> Tuple[np.nd
     return buf[leaf], base[leaf] + src
 
 
-def _pull(shards: Shards, pulls: _Pulls, dst: np.ndarray, keep: List[torch.Tensor], deadline: float,
-          check: Optional[Callable[..., int]] = None) -> Tuple[str, int, float, int, int]:
-    """Land one rank's runs (``dst``: each run's destination address), then check them when asked: (label of the
-    path that served, bytes checked, seconds the check took, groups read covering, bytes moved). Errors name the
-    rank."""
-    buf, off = _sources(shards.meta, pulls.leaf, pulls.src)
-    label, covered, moved = _land(shards, pulls, buf, off, dst, keep, deadline)
+class _Prep:
+    """One rank's read as far as it goes before a byte moves (from the caches on a replay): where its runs are read
+    from and land, the transports to try in order, and each one's ranges (the first one's made now)."""
+
+    def __init__(self, shards: Shards, pulls: _Pulls, dst: np.ndarray, keep: List[torch.Tensor],
+                 addrs: np.ndarray) -> None:
+        from .. import transports
+        from .._ray.runtime import node_id
+
+        meta: ObjectMeta = shards.meta
+        self.shards, self.pulls, self.keep, self.addrs = shards, pulls, keep, addrs
+        self.buf, self.off = pulls.sources.setdefault(None, _Sources()).of(meta, pulls.leaf, pulls.src)
+        self.exact = transports.Ranges(self.buf, self.off, dst, pulls.n, [keep[i] for i in pulls.used])
+        self.same_node = meta.producer.node_id == node_id()
+        names = [n for n, _ in meta.exports]
+        names += [meta.transport] if meta.transport != "auto" else [t.name for t in transports.auto_chain()]
+        self.names = list(dict.fromkeys(names))
+        self._ways: Dict[str, Tuple[Any, Optional[cover.ReadPlan], Any, int]] = {}
+        self.way(self.names[0])
+
+    def way(self, name: str) -> Tuple[Any, Optional[cover.ReadPlan], Any, int]:
+        """How transport ``name`` reads these runs: (transport, read plan or None for exact runs, its Ranges,
+        the staging buffer's address)."""
+        way = self._ways.get(name)
+        if way is None:
+            from .. import transports
+            from .._process.context import get_context
+
+            transport = transports.get(name)
+            rp = _read_plan(get_context(), self.pulls, transport, len(self.keep))
+            if rp is None:
+                way = (transport, None, self.exact, 0)
+            else:
+                ranges, staging = _covering(self.shards.meta, rp, self.keep, self.addrs,
+                                            self.pulls.sources.setdefault(name, _Sources()))
+                way = (transport, rp, ranges, staging)
+            self._ways[name] = way
+        return way
+
+
+def _pull(prep: _Prep, deadline: float, check: Optional[Callable[..., int]] = None
+          ) -> Tuple[str, int, float, int, int]:
+    """Land one rank's runs, then check them when asked: (label of the path that served, bytes checked, seconds
+    the check took, groups read covering, bytes moved). Errors name the rank."""
+    label, covered, moved = _land(prep, deadline)
     if check is None or label == "whole:inline":  # inline: the bytes are the manifest's own copy
         return label, 0, 0.0, covered, moved
     t0 = time.monotonic()
-    checked = check(shards, pulls, buf, off)
+    checked = check(prep.shards, prep.pulls, prep.buf, prep.off)
     return label, checked, time.monotonic() - t0, covered, moved
 
 
@@ -516,17 +584,19 @@ def _read_plan(ctx: Any, pulls: _Pulls, transport: Any, staging_index: int) -> O
     return rp
 
 
-def _covering(meta: ObjectMeta, rp: cover.ReadPlan, keep: List[torch.Tensor]) -> Tuple[Any, np.ndarray, int]:
-    """The Ranges of a read plan with covering reads, the targets' addresses and the staging buffer's."""
+def _covering(meta: ObjectMeta, rp: cover.ReadPlan, keep: List[torch.Tensor], addrs: np.ndarray,
+              cache: _Sources) -> Tuple[Any, int]:
+    """The Ranges of a read plan with covering reads (``addrs``: the targets' addresses) and the staging buffer's
+    address."""
     from .. import transports
 
-    buf, off = _sources(meta, rp.leaf, rp.src)
+    buf, off = cache.of(meta, rp.leaf, rp.src)
     staging = rp.staging_tensor()
-    addrs = np.fromiter((t.data_ptr() for t in keep), dtype=np.uint64, count=len(keep))
     everywhere = np.append(addrs, np.uint64(staging.data_ptr()))
-    dst = everywhere[rp.target] + rp.dst.astype(np.uint64)
+    if cache.addrs is None or not np.array_equal(everywhere, cache.addrs):
+        cache.dst, cache.addrs = everywhere[rp.target] + rp.dst.astype(np.uint64), everywhere
     tensors = [keep[i] if i < len(keep) else staging for i in rp.used]
-    return transports.Ranges(buf, off, dst, rp.n, tensors), addrs, staging.data_ptr()
+    return transports.Ranges(buf, off, cache.dst, rp.n, tensors), staging.data_ptr()
 
 
 def _narrow(rp: cover.ReadPlan, keep: List[torch.Tensor], addrs: np.ndarray, staging: int) -> None:
@@ -547,36 +617,25 @@ def _narrow(rp: cover.ReadPlan, keep: List[torch.Tensor], addrs: np.ndarray, sta
         copy_parts(list(zip((addrs[target] + dst.astype(np.uint64)).tolist(), (at + staging).tolist(), n.tolist())))
 
 
-def _land(shards: Shards, pulls: _Pulls, buf: np.ndarray, off: np.ndarray, dst: np.ndarray,
-          keep: List[torch.Tensor], deadline: float) -> Tuple[str, int, int]:
+def _land(prep: _Prep, deadline: float) -> Tuple[str, int, int]:
     """Land one rank's runs; (the label of the path that served, groups read covering, bytes moved). Errors name
     the rank."""
-    from .. import transports
     from .._process.context import get_context
-    from .._ray.runtime import node_id
 
+    shards, pulls = prep.shards, prep.pulls
     meta: ObjectMeta = shards.meta
     ctx = get_context()
-    exact = transports.Ranges(buf, off, dst, pulls.n, [keep[i] for i in pulls.used])
-    same_node = meta.producer.node_id == node_id()
-    names = [n for n, _ in meta.exports]
-    names += [meta.transport] if meta.transport != "auto" else [t.name for t in transports.auto_chain()]
     try:
-        for name in dict.fromkeys(names):
-            transport = transports.get(name)
-            rp = _read_plan(ctx, pulls, transport, len(keep))
-            if rp is None:
-                label = transport.read_ranges(ctx, meta, exact, same_node, deadline)
-            else:
-                ranges, addrs, staging = _covering(meta, rp, keep)
-                label = transport.read_ranges(ctx, meta, ranges, same_node, deadline)
-                if label is not None:
-                    _narrow(rp, keep, addrs, staging)
+        for name in prep.names:
+            transport, rp, ranges, staging = prep.way(name)
+            label = transport.read_ranges(ctx, meta, ranges, prep.same_node, deadline)
+            if label is not None and rp is not None:
+                _narrow(rp, prep.keep, prep.addrs, staging)
             if label is not None:
                 moved = pulls.nbytes if rp is None else rp.read_bytes
                 ctx.stats.add(name, "in", moved, path=label)
                 return label, 0 if rp is None else rp.covered, moved
-        return _whole(ctx, meta, exact, deadline), 0, meta.nbytes
+        return _whole(ctx, meta, prep.exact, deadline), 0, meta.nbytes
     except (ProducerDiedError, ObjectFreedError, TransferTimeoutError) as e:
         raise type(e)(f"{shards.source} (version {shards.version}): {e}", rank=shards.rank,
                       object_id=meta.id_hex, hint=e.hint) from e
