@@ -14,8 +14,9 @@ import torch
 import rdt
 
 H = 2048  # wide enough that each rank's shards (~110 KB) are held, not carried inline in the metadata
+# "embed": a vocabulary-parallel table whose slices (>= 80 KB a rank) cross gloo in messages of their own (DIRECT_MIN)
 SHAPES: Dict[str, Tuple[int, ...]] = {"q": (12, H), "k": (6, H), "v": (6, H), "o": (8, 1536), "gate": (10, H),
-                                      "norm": (H,)}
+                                      "embed": (64, H), "norm": (H,)}
 REPLICATED = ("norm",)
 
 
@@ -145,11 +146,13 @@ class Trainer:
 def wants(rank: int, tp: int) -> List[Tuple[str, List[Tuple[str, int, int, int]], int, str]]:
     """Tensor-parallel rank ``rank`` of ``tp``: (target, [(param, dim, start, length)], cat dim, dtype)."""
     q, k, o_cols, gate = SHAPES["q"][0] // tp, SHAPES["k"][0] // tp, SHAPES["o"][1] // tp, SHAPES["gate"][0] // tp
+    vocab = SHAPES["embed"][0] // tp
     return [
         ("qkv", [("q", 0, rank * q, q), ("k", 0, rank * k, k), ("v", 0, rank * k, k)], 0, "float32"),  # fused
         ("o", [("o", 1, rank * o_cols, o_cols)], 0, "float32"),  # row-parallel: a strided slice
         ("gate", [("gate", 0, rank * gate, gate)], 0, "float32"),  # column-parallel, across uneven shards
         ("gate_bf16", [("gate", 0, rank * gate, gate)], 0, "bfloat16"),  # the same with a cast
+        ("embed", [("embed", 0, rank * vocab, vocab)], 0, "float32"),  # vocabulary-parallel
         ("norm", [("norm", -1, 0, -1)], 0, "float32"),  # replicated, whole
     ]
 

@@ -350,9 +350,10 @@ def test_gloo_streams_only_the_planned_ranges(gloo_ranks):
         st = rdt.stats(t)["gloo_ranges"]
         assert 0 < st["staging_stream_peak"] <= STAGING and st["staging_bytes"] == 0, st
         assert st["plans_received"] == TP and st["plans"] == TP, st
-    for c in consumers:
+    for c in consumers:  # the embed slices (runs of 80 KB and more) in direct messages, the rest packed
         st = rdt.stats(c)["gloo_ranges"]
         assert 0 < st["receive_block_bytes"] <= STAGING, st
+        assert 0 < st["received_direct_bytes"] < st["received_bytes"], st
 
 
 def test_a_replayed_load_sends_the_plan_key_only(gloo_ranks):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rdt.transports.group.ranges import (CHUNK, PLANS_MAX, PLANS_MAX_BYTES, ROW, RUNS_MAX, RangesState, decode,
-                                        encode)
+from rdt.transports.group.ranges import (CHUNK, DIRECT_MIN, PLANS_MAX, PLANS_MAX_BYTES, ROW, RUNS_MAX, RangesState,
+                                        decode, encode)
 
 
 def _roundtrip(buf, off, n):
@@ -30,7 +30,7 @@ def test_random_plans_roundtrip_and_messages_cover_the_stream_once():
     rng = np.random.default_rng(7)
     for _ in range(200):
         k = int(rng.integers(1, 60))
-        n = rng.choice([16, 4096, CHUNK // 3, CHUNK + 5], k).astype(np.int64)
+        n = rng.choice([16, 4096, DIRECT_MIN - 1, DIRECT_MIN, CHUNK // 3, CHUNK + 5], k).astype(np.int64)
         buf = np.sort(rng.integers(0, 4, k))
         off = rng.integers(0, 1 << 30, k)
         _, plan = _roundtrip(buf.tolist(), off.tolist(), n.tolist())
@@ -40,6 +40,12 @@ def test_random_plans_roundtrip_and_messages_cover_the_stream_once():
             assert (msg_at[1:] == msg_at[:-1] + length[:-1]).all() and msg_at[0] == 0
             assert int(length.sum()) == plan.message_bytes(m)
             assert ((run_at + length) <= plan.n[idx]).all()
+            direct = plan.direct(m)
+            if direct is None:  # packed: small runs only
+                assert (plan.n[idx] < DIRECT_MIN).all() and plan.message_bytes(m) <= CHUNK
+            else:  # direct: one piece of one large run, at the offset it names
+                assert idx.tolist() == [direct[0]] and plan.n[direct[0]] >= DIRECT_MIN
+                assert run_at.tolist() == [direct[1]] and plan.message_bytes(m) <= CHUNK
             seen += int(length.sum())
         assert seen == plan.total == int(n.sum())
 

@@ -12,8 +12,9 @@ from ..receive import ALIGN, padded_offsets
 REQ_FETCH_GROUP = 1  # payload: obj_id(16) group_uid(16) consumer_rank(u32) tag_base(u32) consumer_wait_ms(u32)
 #                      flags(u8) [first_chunk(u32) when resuming]; answer: empty, or how a chained fetch is fed
 REQ_RELAY_NEXT = 7  # payload: obj_id(16) group_uid(16) rank(u32) chain(u64) wait_ms(u32) final(u8); whom to forward to
-REQ_FETCH_RANGES = 8  # payload: obj_id(16) group_uid(16) rank(u32) tag_base(u32) wait_ms(u32) plan_key(16) [rows];
-#                       answer: empty (the ranges stream), or ranges.NEED_PLAN (send the rows)
+REQ_FETCH_RANGES = 9  # payload: obj_id(16) group_uid(16) rank(u32) tag_base(u32) wait_ms(u32) plan_key(16) [rows];
+#                       answer: empty (the ranges stream, cut as ranges._messages), or ranges.NEED_PLAN (send the
+#                       rows). 8 was a stream cut without direct messages: a producer that serves it is refused.
 
 PACK_BELOW = 256 << 10  # CPU buffers smaller than this travel packed with their neighbours ...
 PACK_MAX = 4 << 20  # ... in messages of at most this many bytes: one message per run, not one per tensor

@@ -1,25 +1,30 @@
 """Byte ranges of an object served over a gloo group: sharded weight sync's path over gloo.
 
 The consumer sends its range list once per (group, consumer rank, plan key); the producer keeps it in a bounded
-cache and, on every later request that names the key, streams exactly those bytes packed in messages of at most
-:data:`CHUNK` bytes, gathered through at most :data:`SLOTS` staging buffers per consumer. The consumer receives each
-message into one of its :data:`SLOTS` pooled blocks and scatters it to the ranges' local addresses. Both sides cut
-the byte stream into messages from the plan alone, so no byte of framing travels.
+cache and, on every later request that names the key, streams exactly those bytes in messages of at most
+:data:`CHUNK` bytes. A run of :data:`DIRECT_MIN` bytes or more travels in messages of its own, sent straight from
+the producer's buffer and received straight into the consumer's target (no copy on either side); the small runs
+between them are packed, gathered through at most :data:`SLOTS` staging buffers per consumer, received into one of
+:data:`SLOTS` pooled blocks and scattered to the ranges' local addresses. Both sides cut the byte stream into
+messages from the plan alone, so no byte of framing travels.
 
 A range list travels compressed: consecutive runs of one buffer and length at a constant stride (a row-parallel
 slice: one run per row) are one row of :data:`ROW`. A plan is valid for any object of the group whose buffers
 contain its ranges (checked on every request), so a consumer that loads a new version of the same layout names
 the key only. A fetch abandoned by its caller (timeout, producer death) never copies into the targets afterwards:
-a message is scattered only under the fetch's lock, and only while the caller still waits.
+a packed message is scattered only under the fetch's lock, and only while the caller still waits; the targets of
+a direct receive still posted when the caller gave up are marked busy (``ctx.busy_targets``) until the receive
+ended, so that the next fetch into them waits for it rather than being overwritten.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -42,6 +47,8 @@ from .serve import send_failed
 
 CHUNK = PACK_MAX  # bytes per message (the last may be shorter)
 SLOTS = 2  # staging buffers per consumer on the producer, receive blocks per fetch on the consumer
+DIRECT_MIN = 64 << 10  # a run this long travels in messages of its own, without a copy on either side
+IN_FLIGHT = 8  # messages posted ahead, per fetch and per stream
 ROW = struct.Struct("!IQQIQ")  # buffer, offset, length, count, stride: `count` runs at `offset + i * stride`
 HEAD = struct.Struct("!III16s")  # consumer rank, tag base, wait ms, plan key (after obj_id(16) group_uid(16))
 MAX_ROWS_BYTES = _control.MAX_FRAME - 4096  # a plan must fit one control frame (else: fetched whole)
@@ -55,7 +62,8 @@ SENT_MAX = 1024  # (producer, group, key) a consumer remembers having sent
 # ------------------------------------------------------------------------------------------------ both sides
 @dataclass
 class Plan:
-    """Runs of one consumer's ranges, expanded: buffer, offset, length, and each run's place in the byte stream."""
+    """Runs of one consumer's ranges, expanded: buffer, offset, length, and each run's place in the byte stream;
+    and the stream's messages: where each starts and ends, and the run a direct message lies in (-1: packed)."""
 
     buf: np.ndarray
     off: np.ndarray
@@ -63,22 +71,36 @@ class Plan:
     starts: np.ndarray
     ends: np.ndarray
     total: int
+    msg_lo: np.ndarray
+    msg_hi: np.ndarray
+    msg_run: np.ndarray
 
     @property
     def nbytes(self) -> int:
         """Memory the expanded plan holds."""
-        return sum(a.nbytes for a in (self.buf, self.off, self.n, self.starts, self.ends))
+        return sum(a.nbytes for a in (self.buf, self.off, self.n, self.starts, self.ends, self.msg_lo, self.msg_hi,
+                                      self.msg_run))
 
     @property
     def messages(self) -> int:
-        return -(-self.total // CHUNK)
+        return len(self.msg_lo)
 
     def message_bytes(self, m: int) -> int:
-        return min(CHUNK, self.total - m * CHUNK)
+        return int(self.msg_hi[m] - self.msg_lo[m])
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes of the stream that travel in direct messages (no copy on either side)."""
+        return int((self.msg_hi - self.msg_lo)[self.msg_run >= 0].sum())
+
+    def direct(self, m: int) -> Optional[Tuple[int, int]]:
+        """A direct message's (run index, offset within the run); None for a packed one."""
+        run = int(self.msg_run[m])
+        return None if run < 0 else (run, int(self.msg_lo[m] - self.starts[run]))
 
     def pieces(self, m: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Message ``m``'s pieces: run index, offset within the run, offset within the message, length."""
-        lo, hi = m * CHUNK, min((m + 1) * CHUNK, self.total)
+        lo, hi = int(self.msg_lo[m]), int(self.msg_hi[m])
         i0 = int(np.searchsorted(self.ends, lo, side="right"))
         i1 = int(np.searchsorted(self.starts, hi, side="left"))
         idx = np.arange(i0, i1)
@@ -123,7 +145,25 @@ def decode(rows: bytes) -> Plan:
     if len(n) and n.min() < 1:
         raise ValueError("a run of no bytes")
     ends = np.cumsum(n)
-    return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0)
+    return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0, *_messages(n, ends - n, ends))
+
+
+def _messages(n: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stream cut into messages of at most CHUNK bytes: every run of DIRECT_MIN bytes or more on its own (its
+    messages direct), the runs between them packed; (first byte, end, direct run or -1) per message."""
+    if not len(n):
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    big = n >= DIRECT_MIN
+    first = np.flatnonzero(big | np.concatenate(([True], big[:-1])))  # each big run, each stretch of small ones
+    lo = starts[first]
+    hi = np.append(lo[1:], ends[-1])
+    count = -(-(hi - lo) // CHUNK)
+    at = np.repeat(lo, count) + (np.arange(int(count.sum()), dtype=np.int64)
+                                 - np.repeat(np.cumsum(count) - count, count)) * CHUNK
+    end = np.minimum(at + CHUNK, np.repeat(hi, count))
+    run = np.repeat(np.where(big[first], first, -1), count)
+    return at, end, run
 
 
 def plan_key(rows: bytes) -> bytes:
@@ -140,8 +180,9 @@ class RangesState(TransportState):
         self._plans_bytes = 0
         self._sent: "OrderedDict[Tuple[str, str, bytes], None]" = OrderedDict()
         self.counters: Dict[str, int] = {
-            "served": 0, "served_bytes": 0, "plans_received": 0, "plans_asked": 0, "staging_bytes": 0,
-            "staging_peak": 0, "staging_stream_peak": 0, "fetches": 0, "received_bytes": 0, "receive_block_bytes": 0}
+            "served": 0, "served_bytes": 0, "served_direct_bytes": 0, "plans_received": 0, "plans_asked": 0,
+            "staging_bytes": 0, "staging_peak": 0, "staging_stream_peak": 0, "fetches": 0, "received_bytes": 0,
+            "received_direct_bytes": 0, "receive_block_bytes": 0}
 
     def plan(self, key: Tuple[str, int, bytes]) -> Optional[Plan]:
         with self._lock:
@@ -206,15 +247,32 @@ def state(ctx: Any) -> RangesState:
 
 # ------------------------------------------------------------------------------------------------ consumer
 class _Guard:
-    """Whether the caller still waits: a message is scattered into the targets only under the lock while it does."""
+    """Whether the caller still waits: a packed message is scattered into the targets only under the lock while it
+    does; a direct receive still posted when it gave up marks the targets busy until the receiving thread ended."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.abandoned = False
+        self.direct = False  # a direct receive was posted
+        self.ended = False  # the receiving thread ended: nothing it posted lands any more
+        self.hold: Optional[int] = None
 
-    def abandon(self) -> None:
+    def abandon(self, busy: Any, targets: Any, what: str) -> None:
         with self.lock:  # waits for a scatter in progress: none starts after this returns
             self.abandoned = True
+            if self.direct and not self.ended and self.hold is None:
+                self.hold = busy.mark(targets, what)
+
+    def end(self, busy: Any) -> None:
+        with self.lock:
+            self.ended = True
+            hold, self.hold = self.hold, None
+        busy.clear(hold)
+
+
+def _at(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` at ``address`` (memory a tensor the caller keeps alive owns)."""
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
 
 
 def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadline: float,
@@ -251,45 +309,72 @@ def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadl
                                hint="producer and consumer run different rdt versions; install the same on both")
     guard = _Guard()
     dst = np.asarray(ranges.dst, dtype=np.uint64).astype(np.int64)
+    what = f"a gloo range read of {meta.describe()} over group {group.name!r}"
     try:
         watch(ctx, meta, lambda: _receive(ctx, group, ref.rank, plan, dst, tag_base, deadline, guard))
     except (CollectiveTimeoutError, CommunicationError) as e:
-        guard.abandon()
+        guard.abandon(ctx.busy_targets, ranges.targets, what)
         failed(ctx, meta, group, e)
     except BaseException:
-        guard.abandon()
+        guard.abandon(ctx.busy_targets, ranges.targets, what)
         raise
     st.add("fetches")
     st.add("received_bytes", plan.total)
+    st.add("received_direct_bytes", plan.direct_bytes)
     return "gloo-ranges"
 
 
 def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_base: int, deadline: float,
              guard: _Guard) -> None:
-    """(waiter thread) Receive the plan's messages into at most SLOTS pooled blocks, scattering each to the targets
-    as it lands and reposting its block for the message SLOTS on."""
+    """(waiter thread) Receive the plan's messages, IN_FLIGHT posted ahead: a direct one straight into its target,
+    a packed one into one of at most SLOTS pooled blocks, scattered to the targets as it lands (the block then
+    posted again). Every posted receive is waited for, also once the caller gave up."""
     n = plan.messages
-    blocks = [ctx.buffers.empty(min(CHUNK, plan.total)) for _ in range(min(SLOTS, n))]
+    packed = plan.msg_run < 0
+    size = int((plan.msg_hi - plan.msg_lo)[packed].max()) if packed.any() else 0
+    blocks = [ctx.buffers.empty(size) for _ in range(min(SLOTS, int(packed.sum())))]
     state(ctx).peak("receive_block_bytes", sum(b.numel() for b in blocks))
-    works: Dict[int, Any] = {}
+    free = list(range(len(blocks)))
+    posted: "deque[Tuple[int, Optional[int], Any]]" = deque()
+    nxt = 0
 
-    def post(m: int) -> None:
-        block = blocks[m % SLOTS][:plan.message_bytes(m)]
-        works[m] = group.backend.irecv(block, peer, make_tag(TAG_OBJECT, tag_base + m))
+    def fill() -> None:
+        nonlocal nxt
+        while nxt < n and len(posted) < IN_FLIGHT:
+            tag = make_tag(TAG_OBJECT, tag_base + nxt)
+            direct = plan.direct(nxt)
+            if direct is None:
+                if not free:
+                    return
+                b: Optional[int] = free.pop()
+                work = group.backend.irecv(blocks[b][:plan.message_bytes(nxt)], peer, tag)  # type: ignore[index]
+            else:
+                b = None
+                with guard.lock:
+                    if guard.abandoned:
+                        return
+                    guard.direct = True
+                work = group.backend.irecv(_at(int(dst[direct[0]]) + direct[1], plan.message_bytes(nxt)), peer, tag)
+            posted.append((nxt, b, work))
+            nxt += 1
 
-    for m in range(len(blocks)):
-        post(m)
-    for m in range(n):
-        works.pop(m).wait(max(deadline - time.monotonic(), 1e-3))
-        idx, run_at, msg_at, length = plan.pieces(m)
-        base = blocks[m % SLOTS].data_ptr()
-        parts = list(zip((dst[idx] + run_at).tolist(), (msg_at + base).tolist(), length.tolist()))
-        with guard.lock:
-            if guard.abandoned:
-                return
-            copy_parts(parts)
-        if m + SLOTS < n:
-            post(m + SLOTS)
+    try:
+        fill()
+        while posted:
+            m, b, work = posted.popleft()
+            work.wait(max(deadline - time.monotonic(), 1e-3))
+            if b is not None:
+                idx, run_at, msg_at, length = plan.pieces(m)
+                base = blocks[b].data_ptr()
+                parts = list(zip((dst[idx] + run_at).tolist(), (msg_at + base).tolist(), length.tolist()))
+                with guard.lock:
+                    if not guard.abandoned:
+                        copy_parts(parts)
+                free.append(b)
+            if not guard.abandoned:
+                fill()
+    finally:
+        guard.end(ctx.busy_targets)
 
 
 # ------------------------------------------------------------------------------------------------ producer
@@ -334,6 +419,7 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
     ctx.stats.add("gloo", "out", plan.total)
     st.add("served")
     st.add("served_bytes", plan.total)
+    st.add("served_direct_bytes", plan.direct_bytes)
     ctx.send_waiters.submit(_stream, ctx, group, list(entry.buffers), bases, plan, rank, tag_base, deadline,
                             entry.obj_id)
     return _control.RESP_OK, b""
@@ -341,27 +427,51 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
 
 def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarray, plan: Plan, rank: int,
             tag_base: int, deadline: float, obj_id: bytes) -> None:
-    """(send waiter) Gather each message into one of SLOTS staging buffers and send it; a slot is refilled only once
-    its previous send ended. A failed send errors the group (``serve.send_failed``) and ends the stream."""
+    """(send waiter) Send the plan's messages, IN_FLIGHT at most: a direct one straight from the object's buffer, a
+    packed one gathered into one of SLOTS staging buffers (refilled only once its previous send ended). A failed
+    send errors the group (``serve.send_failed``) and ends the stream."""
     st = state(ctx)
     n = plan.messages
-    slots = [ctx.buffers.empty(min(CHUNK, plan.total)) for _ in range(min(SLOTS, n))]
+    packed = plan.msg_run < 0
+    size = int((plan.msg_hi - plan.msg_lo)[packed].max()) if packed.any() else 0
+    slots = [ctx.buffers.empty(size) for _ in range(min(SLOTS, int(packed.sum())))]
     held = sum(s.numel() for s in slots)
     st.add("staging_bytes", held)
     st.peak("staging_stream_peak", held)
-    works: List[Any] = []
+    works: "deque[Tuple[Any, Optional[int]]]" = deque()
+    busy = [False] * len(slots)  # a slot's send is among ``works``
+    k = 0
+
+    def oldest() -> None:
+        work, slot = works.popleft()
+        work.wait(max(deadline - time.monotonic(), 1e-3))
+        if slot is not None:
+            busy[slot] = False
+
     try:
         for m in range(n):
-            if m >= SLOTS:
-                works[m - SLOTS].wait(max(deadline - time.monotonic(), 1e-3))
-            idx, run_at, msg_at, length = plan.pieces(m)
-            base = slots[m % SLOTS].data_ptr()
-            src = bases[plan.buf[idx]] + plan.off[idx] + run_at
-            copy_parts(list(zip((msg_at + base).tolist(), src.tolist(), length.tolist())))
-            works.append(group.backend.isend(slots[m % SLOTS][:plan.message_bytes(m)], rank,
-                                             make_tag(TAG_OBJECT, tag_base + m)))
-        for w in works[-SLOTS:]:
-            w.wait(max(deadline - time.monotonic(), 1e-3))
+            while len(works) >= IN_FLIGHT:
+                oldest()
+            direct = plan.direct(m)
+            if direct is None:
+                slot = k % len(slots)
+                k += 1
+                while busy[slot]:
+                    oldest()
+                idx, run_at, msg_at, length = plan.pieces(m)
+                base = slots[slot].data_ptr()
+                src = bases[plan.buf[idx]] + plan.off[idx] + run_at
+                copy_parts(list(zip((msg_at + base).tolist(), src.tolist(), length.tolist())))
+                busy[slot] = True
+                works.append((group.backend.isend(slots[slot][:plan.message_bytes(m)], rank,
+                                                  make_tag(TAG_OBJECT, tag_base + m)), slot))
+            else:
+                run, at = direct
+                src = int(bases[plan.buf[run]] + plan.off[run]) + at
+                works.append((group.backend.isend(_at(src, plan.message_bytes(m)), rank,
+                                                  make_tag(TAG_OBJECT, tag_base + m)), None))
+        while works:
+            oldest()
     except Exception as e:  # noqa: BLE001 - the consumer sees its own error; ours errors the group
         send_failed(group, obj_id, rank, e)
     finally:
