@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -415,40 +416,12 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
     """Register every rank's read with its producer (a version gone or a rank dead fails here, before any byte
     moves) and ``prepare`` it, call ``before``, then read every rank at once, each ending its registration as soon
     as its read is done; a read its version did not hold through (the producer updated the weights meanwhile)
-    fails with VersionGoneError."""
+    fails with VersionGoneError. The rank registered last calls ``before`` and starts the reads on its own thread,
+    so that no thread has to wake up between the registrations and the first byte."""
     from .._process.context import get_context
 
-    ctx = get_context()
-    readers: Dict[int, bytes] = {}
-
-    def begin(p: _Pulls) -> "_Prep":  # a rank prepares while the others' registrations are still answered
-        readers[p.rank] = reads.begin(ctx, by_rank[p.rank], deadline)
-        return prepare(p)
-
-    preps, errors = _each(pool, pulls, begin)
-    if not errors:
-        try:
-            before()
-        except Exception as e:  # noqa: BLE001 - the registered reads still end below
-            errors = [e]
-    if errors:  # nothing was read: end what began (bounded, best effort) so that no fence waits for it
-        end_by = time.monotonic() + 0.5
-        _each(pool, [p for p in pulls if p.rank in readers],
-              lambda p: reads.end(ctx, by_rank[p.rank], readers[p.rank], end_by))
-        raise errors[0]
-
-    def read_then_end(p: _Pulls) -> Tuple[Tuple[str, int, float, int, int], bool]:
-        try:
-            got = read(preps[p.rank])
-        except BaseException:
-            try:  # a failed read still ends its registration (bounded, best effort)
-                reads.end(ctx, by_rank[p.rank], readers[p.rank], time.monotonic() + 0.5)
-            except Exception:  # noqa: BLE001 - the read's own error is the one raised
-                pass
-            raise
-        return got, reads.end(ctx, by_rank[p.rank], readers[p.rank], max(deadline, time.monotonic() + 1.0))
-
-    done, errors = _each(pool, pulls, read_then_end)
+    run = _Reads(get_context(), pool, pulls, by_rank, prepare, read, deadline, before)
+    done, errors = run.wait()
     if errors:  # a rank's own failure first: a group aborted by a sibling's timeout is its consequence
         raise next((e for e in errors if not isinstance(e, GroupDestroyedError)), errors[0])
     for rank, ((label, checked, seconds, covered, moved), _) in done.items():
@@ -464,24 +437,94 @@ def _read_all(pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, 
                          "waiting, or a newer version superseded it); the targets may hold torn bytes")
 
 
-def _each(pool: ThreadPoolExecutor, pulls: List[_Pulls], fn: Callable[[_Pulls], Any]
-          ) -> Tuple[Dict[int, Any], List[BaseException]]:
-    """``fn`` of every rank's pulls at once (the first on the calling thread, which would only wait otherwise):
-    results by rank, and the errors in rank order (all have ended)."""
-    futures = {p.rank: pool.submit(fn, p) for p in pulls[1:]}
-    out: Dict[int, Any] = {}
-    errors: List[BaseException] = []
-    if pulls:
+class _Reads:
+    """One load's reads, rank by rank: register and prepare (every rank at once, the first on the calling thread),
+    then, started by the rank registered last, read and end the registration (that rank's read on its own thread,
+    the others on the pool). A failure before any read ends what registered and reads nothing."""
+
+    def __init__(self, ctx: Any, pool: ThreadPoolExecutor, pulls: List[_Pulls], by_rank: Dict[int, Shards],
+                 prepare: Callable[[_Pulls], "_Prep"], read: Callable[["_Prep"], Tuple[str, int, float, int, int]],
+                 deadline: float, before: Callable[[], None]) -> None:
+        self.ctx, self.pool, self.pulls, self.by_rank = ctx, pool, pulls, by_rank
+        self.prepare, self.read, self.deadline, self.before = prepare, read, deadline, before
+        self.lock = threading.Lock()
+        self.readers: Dict[int, bytes] = {}
+        self.preps: Dict[int, _Prep] = {}
+        self.errors: Dict[int, BaseException] = {}
+        self.done: Dict[int, Any] = {}
+        self.registering = self.reading = len(pulls)
+        self.finished = threading.Event()
+        for p in pulls[1:]:
+            pool.submit(self._register, p)
+        if pulls:
+            self._register(pulls[0])
+        else:
+            self.finished.set()
+
+    def wait(self) -> Tuple[Dict[int, Any], List[BaseException]]:
+        """(per rank: the read's result and whether the version held), the errors in rank order; once all ended."""
+        # Every step is bounded by the deadline (its end round trips by a second more); the margin only guards
+        # against a bug here turning into a hang.
+        if not self.finished.wait(max(self.deadline - time.monotonic(), 0.0) + 30.0):
+            raise TransferTimeoutError(f"the reads of {len(self.pulls)} producer rank(s) did not end in time",
+                                       hint="a bug in rdt: please report it with the log")
+        return self.done, [self.errors[r] for r in sorted(self.errors)]
+
+    def _register(self, p: _Pulls) -> None:
         try:
-            out[pulls[0].rank] = fn(pulls[0])
-        except Exception as e:  # noqa: BLE001 - returned to the caller, which raises it
-            errors.append(e)
-    for rank, f in futures.items():
+            self.readers[p.rank] = reads.begin(self.ctx, self.by_rank[p.rank], self.deadline)
+            self.preps[p.rank] = self.prepare(p)
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self.errors[p.rank] = e
+        with self.lock:
+            self.registering -= 1
+            last = self.registering == 0
+        if last:
+            self._start(p)
+
+    def _start(self, mine: _Pulls) -> None:
+        """(the rank registered last) ``before``, then every rank's read; or, after a failure, end what began."""
+        if not self.errors:
+            try:
+                self.before()
+            except BaseException as e:  # noqa: BLE001 - the registered reads still end below
+                self.errors[-1] = e
+        if self.errors:  # nothing was read: end what began (bounded, best effort) so that no fence waits for it
+            end_by = time.monotonic() + 0.5
+            for p in self.pulls:
+                if p.rank in self.readers:
+                    try:
+                        reads.end(self.ctx, self.by_rank[p.rank], self.readers[p.rank], end_by)
+                    except Exception:  # noqa: BLE001 - the first failure is the one raised
+                        pass
+            self.finished.set()
+            return
+        for p in self.pulls:
+            if p is not mine:
+                self.pool.submit(self._read, p)
+        self._read(mine)
+
+    def _read(self, p: _Pulls) -> None:
+        reader, shards = self.readers[p.rank], self.by_rank[p.rank]
         try:
-            out[rank] = f.result()
-        except Exception as e:  # noqa: BLE001 - every call ends before the first error is raised
-            errors.append(e)
-    return out, errors
+            got = self.read(self.preps[p.rank])
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self.errors[p.rank] = e
+            try:  # a failed read still ends its registration (bounded, best effort)
+                reads.end(self.ctx, shards, reader, time.monotonic() + 0.5)
+            except Exception:  # noqa: BLE001 - the read's own error is the one raised
+                pass
+        else:
+            try:
+                self.done[p.rank] = (got, reads.end(self.ctx, shards, reader, max(self.deadline,
+                                                                                   time.monotonic() + 1.0)))
+            except BaseException as e:  # noqa: BLE001 - reported by wait()
+                self.errors[p.rank] = e
+        with self.lock:
+            self.reading -= 1
+            last = self.reading == 0
+        if last:
+            self.finished.set()
 
 
 def verify_with(names: List[str], keep: List[torch.Tensor], deadline: float) -> Callable[..., int]:
