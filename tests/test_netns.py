@@ -28,7 +28,7 @@ def test_netns_cases_in_their_own_driver() -> None:
 
     ray.shutdown()  # the session's local cluster: the next module's ray_cluster fixture starts it again
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-rs", "-p", "no:cacheprovider",
                            str(ROOT / "tests" / "netns_cases.py")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     tail = (proc.stdout + proc.stderr)[-6000:]
