@@ -50,10 +50,12 @@ SUITE = "sharded-sync"
 TRAINERS, ENGINES, TP = 4, 2, 2
 TRANSPORTS = ("shm", "nixl", "gloo", "auto")
 POOL_BYTES = 1 << 30
+SOLO_LOADS = 3  # replayed loads per engine rank, one engine rank at a time (Row.replay_solo)
 SOAK_STEPS = 200
 SOAK_TRANSPORT = "shm"
 SOAK_VERSION0 = 1000  # the soak publishes versions 1000 + step (above the timed steps' versions)
 SOAK_HOST = "rdt-sharded-shm"  # the soak runs on this row's actors, after its timed steps
+SOAK_ROW = "rdt-sharded-soak"  # its row: with --sharded-sync-rows, it runs only when named (with its host row)
 NOT_SELECTED = "not run: not selected (--sharded-sync-rows)"
 
 
@@ -186,6 +188,24 @@ class Row:
             return dt, reports
         return time.perf_counter() - t0, reports
 
+    def replay_solo(self, loads: int) -> List[Optional[float]]:
+        """The plan's replay timed in each engine rank with the other engine ranks idle: one more version, loaded
+        by one engine rank at a time, ``loads`` times each (the median of its overhead per engine rank). With all
+        four loading at once, 8 actors share the reference machine's 2 cores and the overhead measures the
+        scheduler; this measures the load's own work."""
+        ray.get([t.update.remote(True, self.timeout) for t in self.trainers], timeout=self.timeout)
+        self.k += 1
+        k, to = self.k, self.timeout
+        manifest = rdt.Manifest(ray.get([t.publish_shards.remote(k, self.case.transport) for t in self.trainers],
+                                        timeout=to))
+        out: List[Optional[float]] = []
+        for e in self.engines:
+            reps = [ray.get(e.sharded_load.remote(manifest, k, to), timeout=to) for _ in range(loads)]
+            over = [r["overhead_s"] for r in reps if r["overhead_s"] is not None and not r["planned"]]
+            out.append(statistics.median(over) if over else None)
+        del manifest
+        return out
+
     def memory_step(self) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
         """One more step with every actor sampling its RSS and USS (rdt's pools off: fresh buffers count)."""
         ray.get([a.configure.remote(pool_bytes=0) for a in self.everyone], timeout=60)
@@ -285,8 +305,8 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
     too). ``nodes``: see :class:`Row`; ``link``: byte counters (the cross-node suite's ``tc`` counters) read
     around each timed step, their growth per step in ``row["link_bytes"]``."""
     row = _base_row(shape, case)
-    if warmup + iters + 2 >= MAX_STEPS:
-        row["error"] = f"at most {MAX_STEPS - 3} steps (warm-up + timed) per row"
+    if warmup + iters + 3 >= MAX_STEPS:
+        row["error"] = f"at most {MAX_STEPS - 4} steps (warm-up + timed) per row"
         return row
     t0 = time.monotonic()
     try:
@@ -323,6 +343,9 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         elif not case.loads:
             row["bytes_received"] = [shape.nbytes] * len(world.engines)  # the whole model, by construction
             row["bytes_received_computed"] = True
+        if case.kind == "sharded":
+            row["replay_solo_overhead_s"] = world.replay_solo(SOLO_LOADS)
+            row["replay_solo_loads"] = SOLO_LOADS
         mem, last = world.memory_step()
         row.update(mem)
         if case.loads:
@@ -408,7 +431,7 @@ def _soak_into(out: Dict[str, Any], world: Row, steps: int) -> None:
 def soak_row(shape: ModelShape, result: Optional[Dict[str, Any]], why: str = "", error: str = "") -> Dict[str, Any]:
     """Issue 30's '200 steps with in-place updates concurrent with pulls, verify on: 0 torn or wrong reads', as
     run by :func:`run_soak` on the rdt-sharded-shm row's actors (``result``); ``why`` when it did not run."""
-    row = _base_row(shape, Case("rdt-sharded-soak", "soak", SOAK_TRANSPORT))
+    row = _base_row(shape, Case(SOAK_ROW, "soak", SOAK_TRANSPORT))
     steps = soak_steps(shape.scale)
     row.update(mode=f"soak-{steps}", steps=steps, family="rdt")
     if error:
@@ -447,14 +470,15 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
         if chosen is not None and case.impl not in chosen:
             rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
             continue
-        host = case.impl == SOAK_HOST
+        host = case.impl == SOAK_HOST and (chosen is None or SOAK_ROW in chosen)
         rows.append(run_case(shape, case, warmup, iters, config.group_timeout,
                              (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None,
                              range_costs(measured)))
         ctx.progress.done((SUITE, case.impl))
     host_row = next((r for r in rows if r["impl"] == SOAK_HOST), None)
     why = f"its host row {SOAK_HOST} was not selected" if host_row is None or "error" in host_row and \
-        host_row["error"] == NOT_SELECTED else f"its host row {SOAK_HOST} failed" if "error" in host_row else ""
+        host_row["error"] == NOT_SELECTED else f"its host row {SOAK_HOST} failed" if "error" in host_row else \
+        "not selected (--sharded-sync-rows)" if chosen is not None and SOAK_ROW not in chosen else ""
     rows.append(soak_row(shape, soak.get("result"), why, soak.get("error", "")))
     ctx.progress.done((SUITE, "soak"))
     return rows
@@ -469,4 +493,5 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     chosen = getattr(config, "sharded_sync_rows", None)
     return [((SUITE, c.impl), setup + estimate_s(warmup + iters + 2, nbytes * copies[c.kind], 1)) for c in CASES
             if chosen is None or c.impl in chosen] \
-        + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * 2 * nbytes / EST_BYTES_PER_S)]
+        + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * 2 * nbytes / EST_BYTES_PER_S
+            if chosen is None or SOAK_ROW in chosen else 0.0)]

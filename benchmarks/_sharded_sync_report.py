@@ -149,13 +149,18 @@ def sharded_sync_targets(rows: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         out.append(_speed(f"{SUITE} {r['impl']}: <= {WHOLE_NEED}x rdt-whole-{r['transport']}", WHOLE_NEED, r,
                           by.get(f"rdt-whole-{r['transport']}"), True))
     for r in sharded:
+        solo = [o for o in r.get("replay_solo_overhead_s") or [] if o is not None] if _ok(r) else []
         over = [o for o in r.get("replay_overhead_s") or [] if o is not None] if _ok(r) else []
-        why = _why(r) or ("" if over else "not measured: this build's loader cannot be timed around its reads")
+        why = _why(r) or ("" if solo or over else "not measured: this build's loader cannot be timed around its "
+                                                    "reads")
+        how = ("load() outside the transports' reads and the version begin/end round trips, median of "
+               + (f"{r.get('replay_solo_loads', 3)} replayed loads per engine rank with the other engine ranks idle, "
+                  f"worst engine rank; with all four loading at once (8 actors on the machine's cores): "
+                  f"{max(over) * 1e3:.2f} ms" if solo and over else "replayed steps, worst consumer"))
+        value = max(solo) if solo else max(over) if over else None
         out.append(_target(f"{SUITE} {r['impl']}: replayed plan <= {REPLAY_MS_NEED:g} ms per consumer per step",
-                           REPLAY_MS_NEED, "ms", True, max(over) * 1e3 if over else None, None,
-                           "load() outside the transports' reads and the version begin/end round trips, median "
-                           "of replayed steps, worst consumer" + _control(r),
-                           why=why))
+                           REPLAY_MS_NEED, "ms", True, value * 1e3 if value is not None else None, None,
+                           how + _control(r), why=why))
     soak = next((r for impl, r in by.items() if r.get("kind") == "soak"), None)
     ran = soak is not None and "error" not in soak and soak["loads_landed"] > 0  # none landed: nothing shown
     wrong = soak["wrong_reads"] + sum(soak["other_errors"].values()) if ran else None
@@ -188,16 +193,17 @@ def _columns(r: Mapping[str, Any], hand: Optional[Mapping[str, Any]]) -> List[st
         return [summary] + [""] * (len(HEAD) - 1)
     speed = f"{hand['seconds'] / r['seconds']:.2f}x" if _ok(hand) else "-"
     over = [o for o in r.get("replay_overhead_s") or [] if o is not None]
+    solo = [o for o in r.get("replay_solo_overhead_s") or [] if o is not None]
     cover = covering_ratio(r) if r.get("bytes_covering_excess") else 0.0
     return [_cell_time(r), speed, f"{received_ratio(r):.3f}x" + (" (computed)" if r.get("bytes_received_computed")
                                                                   else f" + {cover:.2f}x covering" if cover else ""),
             f"{max(r['trainer_uss_growth_bytes']) / MB:.1f} MB ({trainer_growth(r):.1%})",
             f"{max(r['trainer_rss_peak_bytes']) / MB:.0f} / {max(r['engine_rss_peak_bytes']) / MB:.0f} MB",
-            f"{max(over) * 1e3:.2f} ms" if over else "-"]
+            (f"{max(solo) * 1e3:.2f} / " if solo else "") + (f"{max(over) * 1e3:.2f} ms" if over else "-")]
 
 
 HEAD = ["median step", "vs hand-written", "received / targets", "trainer USS growth (max)",
-        "peak RSS trainer / engine", "replayed load (worst)"]
+        "peak RSS trainer / engine", "replayed load (worst; alone / all engine ranks at once)"]
 
 
 def _model(rows: List[Mapping[str, Any]]) -> str:

@@ -30,7 +30,8 @@ from ._collectives import BenchConfig, BenchContext, Impl, case_plan, fmt_size, 
 from ._objects import object_targets, objects_plan, objects_suite
 from ._p2p import interleaved_p2p, interleaved_plan
 from ._progress import Progress, SuitePlan
-from ._sharded_sync import CASES as SHARDED_CASES, SUITE as SHARDED_SYNC, sharded_sync_plan, sharded_sync_suite
+from ._sharded_sync import (CASES as SHARDED_CASES, SOAK_ROW, SUITE as SHARDED_SYNC, sharded_sync_plan,
+                            sharded_sync_suite)
 from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
 from ._targets import weight_sync_targets
 from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
@@ -152,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "shrinks layers and vocabulary (below 1/24 also the widths); --quick: 0.01")
     p.add_argument("--weight-sync-workers", default="1,2,4", help="weight-sync worker counts")
     p.add_argument("--sharded-sync-rows", default=None,
-                   help=f"sharded-sync rows to run (default all: {', '.join(c.impl for c in SHARDED_CASES)}); the "
-                   "others are reported as not selected. With --suites xnode: the cross-node sharded rows to run "
+                   help=f"sharded-sync rows to run (default all: {', '.join(c.impl for c in SHARDED_CASES)}, "
+                   f"and {SOAK_ROW}, which runs on the rdt-sharded-shm row's actors); the others are reported as "
+                   "not selected. With --suites xnode: the cross-node sharded rows to run "
                    f"(default all: {', '.join(c.impl for c in XNODE_SHARDED_CASES)})")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
@@ -206,9 +208,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log(str(e))
         return 2
-    unknown_rows = sorted(set(config.sharded_sync_rows or ()) - {c.impl for c in SHARDED_CASES})
+    unknown_rows = sorted(set(config.sharded_sync_rows or ()) - {c.impl for c in SHARDED_CASES} - {SOAK_ROW})
     if unknown_rows:
-        log(f"unknown sharded-sync row(s) {unknown_rows}; choose from {[c.impl for c in SHARDED_CASES]}")
+        log(f"unknown sharded-sync row(s) {unknown_rows}; choose from {[c.impl for c in SHARDED_CASES] + [SOAK_ROW]}")
         return 2
     object_store_mb = args.object_store_mb or (WEIGHT_SYNC_OBJECT_STORE_MB if WEIGHT_SYNC in suites else 2048)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

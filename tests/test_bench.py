@@ -241,7 +241,7 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     from benchmarks._weight_sync import model_shape
     from benchmarks.rdt_bench import DEFAULT_SUITES, build_parser, run_plan
 
-    run = ["rdt-sharded-shm"]
+    run = ["rdt-sharded-shm", "rdt-sharded-soak"]
     args = build_parser().parse_args(["--sharded-sync-rows", ",".join(run)])
     assert "sharded-sync" in DEFAULT_SUITES.split(",") and args.sharded_sync_rows == ",".join(run)
     config = BenchConfig(sizes=[], world_sizes=[], backends=[], iters=1, weight_sync_scale=0.004,
@@ -259,7 +259,7 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     cal = by["rdt-range-costs"]["calibration"]  # the selected rows' transports, measured with exact runs
     assert list(cal) == ["shm"] and cal["shm"]["run_s"] > 0 and cal["shm"]["bytes_per_s"] > 1e8, cal
     for impl, r in by.items():
-        if impl in run:
+        if impl in run and impl != "rdt-sharded-soak":
             assert "error" not in r, r
             assert r["target_bytes"] == targets and r["bytes_checked"] == sum(targets), r  # every byte compared
             assert len(r["trainer_rss_peak_bytes"]) == 4 and len(r["engine_uss_growth_bytes"]) == 4, r
@@ -277,6 +277,7 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
         assert "whole fetch" not in shm["read_mode"], shm
         assert [g - x for g, x in zip(shm["bytes_received"], shm["bytes_covering_excess"])] == targets, shm
     assert shm["planned_steps"] == 4 and all(o > 0 for o in shm["replay_overhead_s"]), shm  # one plan per engine
+    assert len(shm["replay_solo_overhead_s"]) == 4 and all(o > 0 for o in shm["replay_solo_overhead_s"]), shm
     got = {t["target"]: t for t in sharded_sync_targets(rows)}
     assert len(got) == 4 * 2 + 1 + 2 + 4 + 4 + 1, sorted(got)  # the replicas row: its trainers' link
     for name, t in got.items():
