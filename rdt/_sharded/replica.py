@@ -11,8 +11,8 @@ from typing import Any, List, Sequence, Tuple
 import torch
 
 from ..errors import InvalidArgumentError
-from .layout import Region
-from .publish import Manifest, ParamInfo, Shards, publish_local
+from .layout import Region, box_of
+from .publish import Manifest, ParamInfo, Shards, _dtype_name, publish_local
 
 
 class Replica:
@@ -54,7 +54,7 @@ def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who
 
     transport = _check_transport(transport)
     tensors = {key(i, w.name): w.target for i, w in enumerate(wants)}
-    params = tuple(ParamInfo(k, str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple((0, n) for n in t.shape))
+    params = tuple(ParamInfo(k, _dtype_name(t.dtype), tuple(t.shape), box_of((0,) * t.dim(), t.shape))
                    for k, t in tensors.items())
     shards = publish_local(tensors, params, rank=0, version=version, transport=transport, timeout=None,
                            keep_versions=0, stream=("replica", stream), source=f"replica {who}")
