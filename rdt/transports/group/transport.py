@@ -75,9 +75,10 @@ class _GroupTransport(Transport):
 
 
 # The cost of one more range and one more byte of a sharded load's range read here (exact runs vs covering reads),
-# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, quiet).
-RANGE_RUN_S = 0.25e-6
-RANGE_BYTES_PER_S = 1.9e9
+# measured by rdt-bench's sharded-sync calibration on the 2-core reference machine (2026-11-27, the median of three
+# runs with large runs sent without a copy).
+RANGE_RUN_S = 0.6e-6
+RANGE_BYTES_PER_S = 2.4e9
 
 class GlooTransport(_GroupTransport):
     capabilities = Capabilities(name="gloo", devices=frozenset({"cpu"}), group_backend="gloo", receive_into=True,
