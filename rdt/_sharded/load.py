@@ -476,11 +476,22 @@ class _Reads:
             self.preps[p.rank] = self.prepare(p)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self.errors[p.rank] = e
-        with self.lock:
-            self.registering -= 1
-            last = self.registering == 0
-        if last:
+        if self._last("registering"):
             self._start(p)
+
+    def _last(self, counter: str) -> bool:
+        """Count one rank out of ``counter`` ("registering" or "reading"): whether it was the last."""
+        with self.lock:
+            left = getattr(self, counter) - 1
+            setattr(self, counter, left)
+            return left == 0
+
+    def _end_quietly(self, p: _Pulls, end_by: float) -> None:
+        """End rank ``p``'s registration after a failure (bounded, best effort: the failure is what is raised)."""
+        try:
+            reads.end(self.ctx, self.by_rank[p.rank], self.readers[p.rank], end_by)
+        except Exception:  # noqa: BLE001 - see above
+            pass
 
     def _start(self, mine: _Pulls) -> None:
         """(the rank registered last) ``before``, then every rank's read; or, after a failure, end what began."""
@@ -493,10 +504,7 @@ class _Reads:
             end_by = time.monotonic() + 0.5
             for p in self.pulls:
                 if p.rank in self.readers:
-                    try:
-                        reads.end(self.ctx, self.by_rank[p.rank], self.readers[p.rank], end_by)
-                    except Exception:  # noqa: BLE001 - the first failure is the one raised
-                        pass
+                    self._end_quietly(p, end_by)
             self.finished.set()
             return
         for p in self.pulls:
@@ -510,20 +518,14 @@ class _Reads:
             got = self.read(self.preps[p.rank])
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self.errors[p.rank] = e
-            try:  # a failed read still ends its registration (bounded, best effort)
-                reads.end(self.ctx, shards, reader, time.monotonic() + 0.5)
-            except Exception:  # noqa: BLE001 - the read's own error is the one raised
-                pass
+            self._end_quietly(p, time.monotonic() + 0.5)  # a failed read still ends its registration
         else:
             try:
                 self.done[p.rank] = (got, reads.end(self.ctx, shards, reader, max(self.deadline,
                                                                                    time.monotonic() + 1.0)))
             except BaseException as e:  # noqa: BLE001 - reported by wait()
                 self.errors[p.rank] = e
-        with self.lock:
-            self.reading -= 1
-            last = self.reading == 0
-        if last:
+        if self._last("reading"):
             self.finished.set()
 
 
