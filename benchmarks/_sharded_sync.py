@@ -381,7 +381,7 @@ def soak_steps(scale: float) -> int:
 def run_soak(world: Row, steps: int) -> Dict[str, Any]:
     """Issue 30's soak on ``world``'s actors over ``SOAK_TRANSPORT``: every step the trainer ranks publish their
     version, the engine ranks ``load(manifest, verify=True)`` it while the trainers, after a random "backward
-    pass" of up to 1.5x a load, fence that version and update their weights in place to the next. A load that
+    pass" of up to 1.5x a load (twice the last bound after a step where no load landed), fence that version and update their weights in place to the next. A load that
     returned is compared byte for byte with its step's values (a difference is a torn read); VersionGoneError is
     a legitimate refusal (the fence came first), counted; ChecksumMismatchError is a detected wrong read."""
     rng = random.Random(30)
@@ -390,6 +390,8 @@ def run_soak(world: Row, steps: int) -> Dict[str, Any]:
     first_bad: List[str] = []
     fence_s: List[float] = []
     load_s: List[float] = [0.01]
+    floor = 0.0  # after a step where no load landed: the backward pass's bound doubles (a slow machine's loads
+    #              would otherwise lose every race to a bound made from loads that never landed)
     t0 = time.monotonic()
     for _ in range(steps):
         k = world.k
@@ -397,8 +399,9 @@ def run_soak(world: Row, steps: int) -> Dict[str, Any]:
                                          for t in world.trainers],
                                         timeout=world.timeout))
         loads = [e.soak_load.remote(manifest, k, world.timeout) for e in world.engines]
-        most = 1.5 * statistics.median(load_s[-20:])
+        most = max(1.5 * statistics.median(load_s[-20:]), floor)
         updates = [t.soak_update.remote(rng.uniform(0, most), world.timeout) for t in world.trainers]
+        landed = counts["ok"]
         for kind, msg, seconds in ray.get(loads, timeout=world.timeout):
             if kind in counts:
                 counts[kind] += 1
@@ -409,6 +412,7 @@ def run_soak(world: Row, steps: int) -> Dict[str, Any]:
             elif kind != "VersionGoneError" and not first_bad:
                 first_bad.append(f"{kind}: {msg}")
         fence_s += ray.get(updates, timeout=world.timeout)
+        floor = 0.0 if counts["ok"] > landed else min(2 * most, 5.0)
         world.k += 1
         del manifest
     return {"steps": steps, "transport": SOAK_TRANSPORT, "seconds": time.monotonic() - t0,

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p.name for p in (ROOT / "doc_code").glob("*.py"))
-AT_ONCE = 3
+AT_ONCE = 2  # examples at once (each starts a Ray cluster of its own; another pytest worker runs beside them)
 TIMEOUT_S = 240
 
 
