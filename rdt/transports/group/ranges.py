@@ -88,6 +88,14 @@ class Plan:
     def message_bytes(self, m: int) -> int:
         return int(self.msg_hi[m] - self.msg_lo[m])
 
+    def staging(self) -> Tuple[int, int]:
+        """(bytes, count) of the buffers packed messages go through on either side: the largest packed message, at
+        most SLOTS of them (none without packed messages)."""
+        packed = self.msg_run < 0
+        if not packed.any():
+            return 0, 0
+        return int((self.msg_hi - self.msg_lo)[packed].max()), min(SLOTS, int(packed.sum()))
+
     @property
     def direct_bytes(self) -> int:
         """Bytes of the stream that travel in direct messages (no copy on either side)."""
@@ -330,9 +338,8 @@ def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_b
     a packed one into one of at most SLOTS pooled blocks, scattered to the targets as it lands (the block then
     posted again). Every posted receive is waited for, also once the caller gave up."""
     n = plan.messages
-    packed = plan.msg_run < 0
-    size = int((plan.msg_hi - plan.msg_lo)[packed].max()) if packed.any() else 0
-    blocks = [ctx.buffers.empty(size) for _ in range(min(SLOTS, int(packed.sum())))]
+    size, count = plan.staging()
+    blocks = [ctx.buffers.empty(size) for _ in range(count)]
     state(ctx).peak("receive_block_bytes", sum(b.numel() for b in blocks))
     free = list(range(len(blocks)))
     posted: "deque[Tuple[int, Optional[int], Any]]" = deque()
@@ -432,9 +439,8 @@ def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarr
     send errors the group (``serve.send_failed``) and ends the stream."""
     st = state(ctx)
     n = plan.messages
-    packed = plan.msg_run < 0
-    size = int((plan.msg_hi - plan.msg_lo)[packed].max()) if packed.any() else 0
-    slots = [ctx.buffers.empty(size) for _ in range(min(SLOTS, int(packed.sum())))]
+    size, count = plan.staging()
+    slots = [ctx.buffers.empty(size) for _ in range(count)]
     held = sum(s.numel() for s in slots)
     st.add("staging_bytes", held)
     st.peak("staging_stream_peak", held)
