@@ -274,7 +274,7 @@ def test_abort_fails_waits_fast(pair) -> None:
     t0 = time.monotonic()
     with pytest.raises(GroupDestroyedError):
         w.wait(10.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # woken by the abort, not by the timeout
     with pytest.raises(GroupDestroyedError):
         b1.irecv(torch.zeros(10), 0, 43)
 
@@ -465,10 +465,10 @@ def test_a_late_send_after_the_receiver_destroyed_its_group_writes_nothing(pair,
     b1.shutdown()
     src = torch.arange(n, dtype=torch.float32)
     start = time.monotonic()
-    sent = _outcome(lambda: b0.isend(src, 1, 7).wait(3.0))
+    sent = _outcome(lambda: b0.isend(src, 1, 7).wait(10.0))
     assert _untouched(t), f"{int((t != SENTINEL).sum())} of {n} elements were written after the recv failed"
     _assert_cancelled(sent, 7)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 5.0  # told at once, not at the send's timeout
     _drive((b0,), 0.3)
     assert _untouched(t)
 
@@ -494,9 +494,9 @@ def test_a_cancelled_recv_holds_its_tensor_until_the_sender_answers(pair) -> Non
     gc.collect()
     assert ref() is None
     start = time.monotonic()
-    sent = _outcome(lambda: b0.isend(torch.ones(n), 1, 11).wait(3.0))
+    sent = _outcome(lambda: b0.isend(torch.ones(n), 1, 11).wait(10.0))
     _assert_cancelled(sent, 11)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5.0  # at once, not at the send's timeout
     assert not b0._sends and not b0._mailbox and not b0._peer_cancels
 
 

@@ -300,8 +300,8 @@ def test_abort_fails_pending_fast_and_shutdown_idempotent_quick() -> None:
     t0 = time.monotonic()
     b1.abort()
     with pytest.raises(GroupDestroyedError):
-        pending.wait(5)
-    assert time.monotonic() - t0 < 1.0
+        pending.wait(10)
+    assert time.monotonic() - t0 < 5.0  # woken by the abort, not by the timeout
     with pytest.raises(GroupDestroyedError):
         b1.isend(torch.zeros(1), 0, 3)
     # the peer learns that the connection is gone instead of hanging until its timeout
@@ -312,7 +312,7 @@ def test_abort_fails_pending_fast_and_shutdown_idempotent_quick() -> None:
     t0 = time.monotonic()
     for b in (b0, b1, b0, b1):
         b.shutdown()
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 4.5  # no close waited out its 5 s bound
     assert not b0._thread.is_alive() and not b1._thread.is_alive()
     assert not b0._engine.pump_alive and not b1._engine.pump_alive  # no thread left behind
 
@@ -323,7 +323,11 @@ def test_shutdown_unconnected_is_quick() -> None:
     b0.shutdown()
     b1.shutdown()
     b1.shutdown()
-    assert time.monotonic() - t0 < 2.0
+    # No wait ran out: a close would take its 5 s bound, a join would leave its thread running. (Each shutdown's
+    # full garbage collection takes about a second in a busy pytest process, so the bound is not tighter.)
+    assert time.monotonic() - t0 < 4.5
+    assert not b0._thread.is_alive() and not b1._thread.is_alive()
+    assert not b0._engine.pump_alive and not b1._engine.pump_alive
 
 
 # ---------------------------------------------------------------------------------------------- same-node path
