@@ -11,7 +11,6 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # metrics reach Prometheus quickly in tests
 
 import pytest  # noqa: E402
 
@@ -46,6 +45,25 @@ def start_local_ray() -> None:
     # user) left running on this machine.
     ray.init(address="local", num_cpus=16, include_dashboard=False, object_store_memory=1 << 30,
              log_to_driver=False, _metrics_export_port=_free_port())
+
+
+def restart_local_ray(**env: str) -> None:
+    """Stop the shared cluster and start it again with ``env`` set for its processes (the next module that needs the
+    plain cluster calls ``unset_env_and_stop_ray``)."""
+    import ray
+
+    ray.shutdown()
+    os.environ.update(env)
+    start_local_ray()
+
+
+def unset_env_and_stop_ray(*names: str) -> None:
+    """Undo ``restart_local_ray``: the next module's ``ray_cluster`` starts a plain cluster again."""
+    import ray
+
+    ray.shutdown()
+    for name in names:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="session")

@@ -105,7 +105,7 @@ def _rss(actor) -> int:
 SOAK = os.environ.get("RDT_SOAK") == "1"  # the full 10 000-transfer runs; CI runs shorter ones
 
 
-@pytest.mark.parametrize("transport,count", [("gloo", 10_000 if SOAK else 3_000), ("shm", 10_000 if SOAK else 2_000),
+@pytest.mark.parametrize("transport,count", [("gloo", 10_000 if SOAK else 2_000), ("shm", 10_000 if SOAK else 2_000),
                                              ("shm-segment", 10_000 if SOAK else 1_000)]
                          + ([("nixl", 10_000 if SOAK else 1_000)] if HAS_NIXL else []))
 def test_memory_flat_over_many_transfers(trio, transport, count):

@@ -17,7 +17,7 @@ import rdt
 import rdt_transports as rt
 
 from ._object_actors import Node
-from .conftest import wait_for
+from .conftest import restart_local_ray, unset_env_and_stop_ray, wait_for
 
 
 @ray.remote(num_cpus=0)
@@ -50,8 +50,20 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+# Ray's default metrics interval is 10 s; this module's cluster reports every second (every other module's cluster
+# keeps the default: a 1 s interval costs every live actor CPU for the whole run).
+FAST_METRICS = {"RAY_metrics_report_interval_ms": "1000"}
+
+
 @pytest.fixture(scope="module")
-def actors(ray_cluster):
+def fast_metrics_cluster():
+    restart_local_ray(**FAST_METRICS)
+    yield ray
+    unset_env_and_stop_ray(*FAST_METRICS)
+
+
+@pytest.fixture(scope="module")
+def actors(fast_metrics_cluster):
     p, c = Node.remote(), Node.remote()
     m = [Member.remote() for _ in range(2)]
     group = rdt.create_collective_group([p, c], backend="gloo")
