@@ -11,8 +11,24 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Workers start when an actor needs one: a prestarted pool (one per CPU of the cluster, 16 here) is thrown away
+# whenever a module restarts the cluster, and on two cores its start-up delays the actors a test is waiting for.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the project's modules once, in the controller, before any worker or actor starts: with
+    PYTHONDONTWRITEBYTECODE set (as on CI) every actor process would compile them again from source."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    import compileall
+
+    for package in ("rdt", "rdt_transports", "tests", "benchmarks", "doc_code"):
+        compileall.compile_dir(os.path.join(ROOT, package), quiet=2, workers=1)
 
 
 def _has_module(name: str) -> bool:

@@ -24,9 +24,6 @@ TIMEOUT_S = 240
 def _run(example: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # never attach to a cluster another test module started
-    # An example's ray.init(num_cpus=4) would start 4 idle workers at once, most never used (2-3 actors, some with
-    # their own runtime_env): on two cores their start-up delays the example's own processes.
-    env["RAY_prestart_worker_first_driver"] = "0"
     return subprocess.run([sys.executable, str(ROOT / "doc_code" / example)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 

@@ -386,7 +386,7 @@ def _all_paths_served(soak: "Soak") -> bool:
 def test_soak_short(ray_cluster):
     """CI: a few seconds of waves, one killed consumer; every CPU path served at least once; no mismatch."""
     seed = int(os.environ.get("RDT_SOAK_SEED", 29))
-    tally, counts, seconds = run_soak(seed, transfers=400, seconds=float(os.environ.get("RDT_SOAK_CI_S", 10)),
+    tally, counts, seconds = run_soak(seed, transfers=400, seconds=float(os.environ.get("RDT_SOAK_CI_S", 5)),
                                       normal_timeout=6.0, first_kill=1, kill_every=1000, covered=_all_paths_served,
                                       max_waves=16)
     _report(tally, counts, seed, seconds)
