@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 # Loopback only, set before Ray (and thus its workers) start.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -63,23 +65,25 @@ def start_local_ray() -> None:
              log_to_driver=False, _metrics_export_port=_free_port())
 
 
-def restart_local_ray(**env: str) -> None:
-    """Stop the shared cluster and start it again with ``env`` set for its processes (the next module that needs the
-    plain cluster calls ``unset_env_and_stop_ray``)."""
+@contextlib.contextmanager
+def local_ray_with_env(**env: str) -> Iterator[None]:
+    """The shared cluster, restarted with ``env`` set for its processes; afterwards stopped, with the environment as
+    it was (the next module's ``ray_cluster`` starts a plain one)."""
     import ray
 
+    before = {name: os.environ.get(name) for name in env}
     ray.shutdown()
     os.environ.update(env)
-    start_local_ray()
-
-
-def unset_env_and_stop_ray(*names: str) -> None:
-    """Undo ``restart_local_ray``: the next module's ``ray_cluster`` starts a plain cluster again."""
-    import ray
-
-    ray.shutdown()
-    for name in names:
-        os.environ.pop(name, None)
+    try:
+        start_local_ray()
+        yield
+    finally:
+        ray.shutdown()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import rdt
 import rdt_transports as rt
 
 from ._object_actors import Node
-from .conftest import restart_local_ray, unset_env_and_stop_ray, wait_for
+from .conftest import local_ray_with_env, wait_for
 
 
 @ray.remote(num_cpus=0)
@@ -50,16 +50,12 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-# Ray's default metrics interval is 10 s; this module's cluster reports every second (every other module's cluster
-# keeps the default: a 1 s interval costs every live actor CPU for the whole run).
-FAST_METRICS = {"RAY_metrics_report_interval_ms": "1000"}
-
-
 @pytest.fixture(scope="module")
 def fast_metrics_cluster():
-    restart_local_ray(**FAST_METRICS)
-    yield ray
-    unset_env_and_stop_ray(*FAST_METRICS)
+    """Ray's default metrics interval is 10 s; this module's cluster reports every second (every other module's
+    cluster keeps the default: a 1 s interval costs every live actor CPU for the whole run)."""
+    with local_ray_with_env(RAY_metrics_report_interval_ms="1000"):
+        yield ray
 
 
 @pytest.fixture(scope="module")
