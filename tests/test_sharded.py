@@ -94,7 +94,10 @@ def test_a_replay_reuses_its_threads_and_follows_moved_targets(trainers, consume
     for r, out in enumerate(_load(consumers, manifest)):
         _check(out, r, manifest.version)
         assert not out["report"].planned
-    assert ray.get([c.reader_threads.remote() for c in consumers]) == threads
+    # The same threads, still alive (the pool may have grown by a thread where this load read more ranks at once
+    # than the first: it never holds more than one per producer rank here).
+    after = ray.get([c.reader_threads.remote() for c in consumers])
+    assert all(set(t) <= set(a) and len(a) <= len(trainers) for t, a in zip(threads, after)), (threads, after)
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
