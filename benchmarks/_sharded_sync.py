@@ -381,17 +381,19 @@ def soak_steps(scale: float) -> int:
 def run_soak(world: Row, steps: int) -> Dict[str, Any]:
     """Issue 30's soak on ``world``'s actors over ``SOAK_TRANSPORT``: every step the trainer ranks publish their
     version, the engine ranks ``load(manifest, verify=True)`` it while the trainers, after a random "backward
-    pass" of up to 1.5x a load (twice the last bound after a step where no load landed), fence that version and update their weights in place to the next. A load that
-    returned is compared byte for byte with its step's values (a difference is a torn read); VersionGoneError is
-    a legitimate refusal (the fence came first), counted; ChecksumMismatchError is a detected wrong read."""
+    pass" of up to 1.5x a load (twice the last bound after a step where no load landed), fence that version and
+    update their weights in place to the next. A load that returned is compared byte for byte with its step's
+    values (a difference is a torn read); VersionGoneError is a legitimate refusal (the fence came first), counted;
+    ChecksumMismatchError is a detected wrong read."""
     rng = random.Random(30)
     counts = {"ok": 0, "VersionGoneError": 0, "ChecksumMismatchError": 0, "torn": 0}
     other: Dict[str, int] = {}
     first_bad: List[str] = []
     fence_s: List[float] = []
     load_s: List[float] = [0.01]
-    floor = 0.0  # after a step where no load landed: the backward pass's bound doubles (a slow machine's loads
-    #              would otherwise lose every race to a bound made from loads that never landed)
+    # After a step where no load landed the backward pass's bound doubles: a slow machine's loads would otherwise
+    # lose every race to a bound made from loads that never landed.
+    floor = 0.0
     t0 = time.monotonic()
     for _ in range(steps):
         k = world.k
