@@ -81,12 +81,17 @@ def test_small_inlined_ref_is_not_freed_before_a_queued_consumer_runs(trio):
 
 
 def test_borrowed_ref_keeps_object_alive(trio):
+    """stats() does not queue behind the producer's methods, so the object must exist before "not freed" means much."""
     p, _, c2 = trio
     ref = p.make_shm.remote(N, 2.0)
+    assert ray.wait([ref], timeout=60)[0]  # made: the producer's table holds it
+    assert _objects(p) == 1
     ray.get(c2.hold.remote([ref]))  # c2 borrows the ref (nested in a list: not resolved)
-    del ref
-    assert not wait_for(lambda: _objects(p) == 0, timeout=3)  # the borrower keeps it alive
-    ray.get(c2.release.remote())
+    try:
+        del ref
+        assert not wait_for(lambda: _objects(p) == 0, timeout=3)  # the borrower keeps it alive
+    finally:
+        ray.get(c2.release.remote())  # a failure here must not leave the object to the module's later tests
     assert wait_for(lambda: _drained(p), timeout=30)
 
 
