@@ -66,7 +66,10 @@ def main() -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20)
     rdt.configure(inline_threshold=0)
     a, b = Producer.remote(), Producer.remote()
-    group = rdt.create_collective_group([a, b], backend="gloo")
+    # Started first, on a generous bound: on a loaded machine two actors importing torch can take longer than the
+    # group's own 30 s join timeout, which this test is not about.
+    ray.get([a.__ray_ready__.remote(), b.__ray_ready__.remote()], timeout=180)
+    group = rdt.create_collective_group([a, b], backend="gloo", timeout=60)
     expected = {"nixl": 2.0, "shm": 3.0, "gloo": 4.0, "store": 5.0}
     for method, value in expected.items():
         got = ray.get(getattr(a, method).remote())  # the driver's own path: NIXL READ, direct read, fallbacks
