@@ -93,6 +93,18 @@ class GpuNode:
         return {"device": str(t.device), "sum": float(t.sum().item()), "path": self.last_path(),
                 "current": torch.cuda.current_device()}
 
+    def landing(self):
+        """This process's NIXL landing blocks (rdt.stats()["nixl_landing"])."""
+        return rdt.stats()["nixl_landing"]
+
+    def keep(self, x):
+        """Keep a fetched tensor (its landing block stays lent); its sum now."""
+        self.kept = x
+        return float(x.sum().item())
+
+    def kept_sum(self):
+        return float(self.kept.sum().item())
+
     def last_path(self):
         """The path that served this actor's latest fetch (the one whose count grew since the previous call)."""
         paths = rdt.stats()["paths"]
@@ -184,6 +196,23 @@ def test_nixl_vram_between_actors_on_one_gpu(shared_gpu):
     a, b = shared_gpu
     info = ray.get(b.describe.remote(a.make_nixl.remote(N, 4.0)), timeout=120)
     assert info["path"] == "nixl" and info["device"].startswith("cuda") and info["sum"] == 4.0 * N
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'")
+def test_nixl_vram_fetched_every_step_lands_in_one_registered_block(shared_gpu):
+    """Fresh VRAM destinations are byte ranges of a registered block, reused once the fetched tensor died (not one
+    GPUDirect registration per READ); a tensor the consumer keeps is never written by a later READ."""
+    a, b = shared_gpu
+    before = ray.get(b.landing.remote(), timeout=60)
+    for i in range(20):
+        info = ray.get(b.describe.remote(a.make_nixl.remote(N, float(i))), timeout=120)
+        assert info["path"] == "nixl" and info["device"].startswith("cuda") and info["sum"] == float(i) * N
+    after = ray.get(b.landing.remote(), timeout=60)
+    assert after["made"] - before["made"] <= 2 and after["hits"] - before["hits"] >= 18, (before, after)
+    assert ray.get(b.keep.remote(a.make_nixl.remote(N, 7.0)), timeout=120) == 7.0 * N
+    for i in range(3):
+        assert ray.get(b.describe.remote(a.make_nixl.remote(N, 8.0)), timeout=120)["sum"] == 8.0 * N
+    assert ray.get(b.kept_sum.remote(), timeout=60) == 7.0 * N
 
 
 def test_ray_get_of_gpu_object_on_the_driver(shared_gpu):

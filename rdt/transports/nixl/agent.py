@@ -1,6 +1,6 @@
 """This process's NIXL agent: made on first use, held by the context as the "nixl" transport's state. It knows
-which remote agents it loaded (bounded), holds the producer's registrations (one per storage) and registered
-blocks for packed objects, and parks timed-out READs until NIXL says they finished.
+which remote agents it loaded (bounded), holds the producer's registrations (one per storage), registered blocks
+for packed objects and for fresh READ destinations, and parks timed-out READs until NIXL says they finished.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..base import Context, TransportState
 from ..busy_targets import BusyTargets
 from ..storage_cache import StorageCache
 from .descriptors import mem_type_of
+from .landing import LandingPool
 from .targets import TargetRegistrations
 
 _available: Optional[bool] = None
@@ -124,6 +125,7 @@ class NixlAgent(TransportState):
         self.last_md: Optional[Tuple[List[Any], List[Any], List[bytes]]] = None
         self.targets = TargetRegistrations(self, storage_key)  # consumer side: rdt.get(into=...) targets, per storage
         self.blocks = BlockPool(self)  # producer side: registered blocks that packed objects are copied into
+        self.landing = LandingPool(self)  # consumer side: registered blocks that fresh READ destinations lie in
         self._stop = threading.Event()
         self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
 
@@ -148,8 +150,14 @@ class NixlAgent(TransportState):
         self.registrations.sweep()
 
     def close(self) -> None:
-        """At shutdown, after every object was released (and its memory deregistered): stop the progress thread."""
+        """At shutdown, after every object was released (and its memory deregistered): stop the progress thread,
+        then deregister the idle landing blocks."""
         self.stop(_lifecycle.JOIN_TIMEOUT_S)
+        if self.lock.acquire(timeout=_lifecycle.JOIN_TIMEOUT_S):  # a thread stuck in NIXL must not hang the exit
+            try:
+                self.landing.close()
+            finally:
+                self.lock.release()
 
     def _progress(self, period: float = 0.002) -> None:
         while not self._stop.wait(period):
@@ -159,6 +167,7 @@ class NixlAgent(TransportState):
                     if self.parked:
                         self._reap_parked()
                     self.targets.drain()
+                    self.landing.drain()
             except Exception:  # agent torn down at exit
                 return
 

@@ -1,24 +1,30 @@
 """The consumer's side of a NIXL object: one-sided READs of the producer's registered buffers into fresh tensors
-(each buffer keeps its kind of memory), into one block for an object of many DRAM buffers, or straight into the
-caller's targets; a READ that times out is parked on the agent until NIXL says it finished.
+(each buffer keeps its kind of memory; they lie in a registered landing block, see ``landing``), into one block for
+an object of many DRAM buffers, or straight into the caller's targets; a READ that times out is parked on the agent
+until NIXL says it finished.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..base import Context
-from ..receive import block_views
+from ..receive import BlockViews, block_views, padded_offsets
 from .agent import NixlAgent, ParkedRead, agent, release_all
 from .descriptors import NixlInfo, PackedDescs, group_by_mem_type, mem_type_of
 
-def _sync_cuda(bufs: List[torch.Tensor]) -> None:
-    """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams)."""
+def _sync_cuda(bufs: List[torch.Tensor], landed: Sequence[torch.device] = ()) -> None:
+    """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams), and
+    for every stream of each device in ``landed``: a landing block is reused once the tensors of an earlier fetch
+    died, whose last kernels may still run on any stream."""
     for dev in {b.device for b in bufs if b.device.type == "cuda"}:
-        torch.cuda.current_stream(dev).synchronize()
+        if dev in landed:
+            torch.cuda.synchronize(dev)
+        else:
+            torch.cuda.current_stream(dev).synchronize()
 
 
 def read_object(ctx: "Context", info: NixlInfo, device: torch.device, timeout: float,
@@ -68,8 +74,9 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
     per (local, remote) memory-type pair, since a NIXL descriptor list has a single memory type."""
     if not dests and len(info.descs) > 1 and set(info.mem_types) == {"DRAM"}:
         return _read_block(ctx, ag, info, timeout)
-    dst: List[torch.Tensor] = []
+    dst: List[Optional[torch.Tensor]] = []
     targets: List[int] = []  # the caller's tensors: registered once per storage, across fetches
+    fresh: Dict[torch.device, List[int]] = {}  # per device, the buffers that land in fresh memory
     for i, ((_, n, _), t) in enumerate(zip(info.descs, info.mem_types)):
         on = device if t == "VRAM" and device.type == "cuda" else torch.device("cpu")
         given = dests[i] if i < len(dests) else None  # rdt.get(into=...): READ straight into the caller's target
@@ -77,35 +84,60 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
             dst.append(given)
             targets.append(i)
         else:
-            dst.append(torch.empty(n, dtype=torch.uint8, device=on) if on.type == "cuda" else ctx.buffers.empty(n))
-    _sync_cuda(dst)  # fresh VRAM blocks may still be in use, in stream order, by kernels of the current stream
-    local_types = [mem_type_of(d) for d in dst]
+            dst.append(None)
+            fresh.setdefault(on, []).append(i)
+    covered = set()  # buffers whose memory is registered already (landing blocks, cached targets)
+    landed: List[torch.device] = []
+    for on, idx in fresh.items():  # one registered landing block per device, reused once the caller drops it
+        offsets, total = padded_offsets([info.descs[i][1] for i in idx])
+        with ag.lock:
+            block = ag.landing.take(ctx, total, on)
+        if block is not None:
+            landed.append(block.device)
+        for i, o in zip(idx, offsets):
+            n = info.descs[i][1]
+            if block is not None:
+                dst[i] = block[o:o + n]
+                covered.add(i)
+            else:  # too small for a block, or the bound on lent blocks is reached: registered for this READ
+                dst[i] = torch.empty(n, dtype=torch.uint8, device=on) if on.type == "cuda" else ctx.buffers.empty(n)
+    bufs: List[torch.Tensor] = dst  # type: ignore[assignment]  # every slot is filled now
+    _sync_cuda(bufs, landed)  # fresh VRAM may still be in use by kernels queued before this fetch
+    local_types = [mem_type_of(d) for d in bufs]
     regs: List[Any] = []
     try:
         with ag.lock:
-            covered = set(i for i, ok in zip(targets, ag.targets.cover([dst[i] for i in targets])) if ok)
+            covered.update(i for i, ok in zip(targets, ag.targets.cover([bufs[i] for i in targets])) if ok)
             for _, idx in group_by_mem_type(local_types):
                 idx = [i for i in idx if i not in covered]
                 if idx:
-                    regs.append(ag.agent.register_memory([dst[i] for i in idx]))
+                    regs.append(ag.agent.register_memory([bufs[i] for i in idx]))
     except BaseException:
         with ag.lock:
             release_all(ag.agent, [], regs)
         raise
-    plan = [([dst[i] for i in idx], [info.descs[i] for i in idx], local_type, remote_type)
+    plan = [([bufs[i] for i in idx], [info.descs[i] for i in idx], local_type, remote_type)
             for (local_type, remote_type), idx in group_by_mem_type(list(zip(local_types, info.mem_types)))]
-    _transfer(ag, info, plan, regs, dst, timeout, [dst[i] for i in targets], label)
-    return dst
+    _transfer(ag, info, plan, regs, bufs, timeout, [bufs[i] for i in targets], label)
+    return bufs
 
 
 def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -> Any:
-    """The READ of an object of many DRAM buffers into one fresh block: one registration and no tensor per
-    buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
+    """The READ of an object of many DRAM buffers into one fresh block: one registration (none when a landing
+    block takes it) and no tensor per buffer (the leaves are rebuilt from the block; see ``BlockViews``)."""
     descs = info.descs
-    views = block_views(ctx, descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs])
-    base = views.block.data_ptr()
+    sizes = descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs]
+    offsets, total = padded_offsets(sizes)
     with ag.lock:
-        regs = [ag.agent.register_memory([views.block])]
+        landed = ag.landing.take(ctx, max(total, 1), torch.device("cpu"))
+    if landed is not None:
+        views = BlockViews(landed, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))
+        regs: List[Any] = []
+    else:
+        views = block_views(ctx, sizes)
+        with ag.lock:
+            regs = [ag.agent.register_memory([views.block])]
+    base = views.block.data_ptr()
     if info.packed:  # laid out as this block is: one descriptor for the whole object
         total = views.offsets[-1] + views.sizes[-1]
         local, remote = [(base, total, 0)], [(info.descs[0][0], total, 0)]

@@ -14,6 +14,7 @@ import torch
 from ..._control import wire as _control
 from . import agent as _agent
 from .descriptors import NixlInfo, decode_info, encode_info
+from .landing import LandingPool
 from .export import register, release
 from .ranges import read_ranges
 from .read import ParkedLimit, read_object
@@ -100,6 +101,11 @@ class NixlTransport(Transport):
     def exported(self, ctx: Any) -> int:
         ag = ctx.peek_transport_state(self.name)
         return len(ag.registrations) if ag is not None else 0
+
+    def stats(self, ctx: Any) -> Dict[str, Any]:
+        """Consumer side: registered landing blocks lent to fetched tensors and idle for reuse (see ``landing``)."""
+        ag = ctx.peek_transport_state(self.name)
+        return {"nixl_landing": ag.landing.stats() if ag is not None else LandingPool.empty_stats()}
 
 
 def _serve_prepare(ctx: Any, _key_id: int, payload: bytes) -> Any:

@@ -1,0 +1,199 @@
+"""A NIXL consumer's fresh READ destinations lie in registered landing blocks, reused once the caller drops the
+tensors: real NIXL agents over DRAM in one process (the same code registers VRAM on a GPU). Fetching the same
+object every step costs one registration, not one per READ; a tensor the caller keeps is never written by a later
+READ; a timed-out READ keeps its block; idle blocks are bounded, and deregistered after their time."""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import threading
+import time
+from typing import Any, Callable, List
+
+import pytest
+import torch
+
+from rdt._objects.flatten import flatten
+from rdt._objects.table import Entry
+from rdt.transports.nixl import agent as nixl_agent, export as nixl_export, read as nixl_read
+from rdt.transports.nixl.landing import LandingPool
+
+from .._bare_context import BareContext
+from ..conftest import HAS_NIXL, wait_for
+
+pytestmark = pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
+
+MiB = 1 << 20
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def agents():
+    producer, consumer = BareContext(), BareContext()
+    nixl_agent.agent(producer)
+    nixl_agent.agent(consumer)
+    yield producer, consumer
+    for ctx in (producer, consumer):  # progress threads must end before the interpreter finalizes
+        ctx.nixl.close()
+        assert not ctx.nixl._thread.is_alive()
+
+
+def _count_registrations(ctx: BareContext) -> List[int]:
+    """Spy on the agent's register_memory: one entry (the descriptor count) per call."""
+    calls: List[int] = []
+    ag = ctx.nixl.agent
+    real: Callable[..., Any] = ag.register_memory
+
+    def spy(descs: Any, *rest: Any) -> Any:
+        calls.append(len(descs))
+        return real(descs, *rest)
+
+    ag.register_memory = spy
+    return calls
+
+
+def _md_size(ctx: BareContext) -> int:
+    """The size of the agent's full metadata, which grows with every registration it holds (NIXL's own view)."""
+    with ctx.nixl.lock:
+        return len(ctx.nixl.agent.get_agent_metadata())
+
+
+def _export(producer: BareContext, value: Any) -> Entry:
+    entry = Entry(secrets.token_bytes(16), flatten(value), "nixl")
+    nixl_export.register(producer, entry)
+    return entry
+
+
+def _info(entry: Entry) -> Any:
+    return entry.exports["nixl"][1]
+
+
+def _landing(ctx: BareContext) -> LandingPool:
+    return ctx.nixl.landing
+
+
+def _drain(ctx: BareContext) -> None:
+    with ctx.nixl.lock:
+        ctx.nixl.landing.drain()
+
+
+def test_fetching_the_same_object_every_step_registers_one_block(agents):
+    producer, consumer = agents
+    weights = {"w": torch.arange(MiB // 4, dtype=torch.float32), "b": torch.arange(MiB // 8, dtype=torch.float32)}
+    entry = _export(producer, weights)
+    calls = _count_registrations(consumer)
+    for step in range(50):
+        got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+        assert torch.equal(got[0].view(torch.float32), weights["w"]) and torch.equal(got[1].view(torch.float32),
+                                                                                      weights["b"])
+        del got
+        _drain(consumer)
+    assert calls == [1]  # the first READ registered its landing block; the other 49 reused it
+    s = _landing(consumer).stats()
+    assert s["made"] == 1 and s["hits"] == 49 and s["lent"] == 0 and s["idle"] == 1
+    nixl_export.release(producer, entry)
+
+
+def test_a_kept_result_is_never_written_by_a_later_read(agents):
+    producer, consumer = agents
+    one, two = torch.full((MiB,), 1.0), torch.full((MiB,), 2.0)
+    e1, e2 = _export(producer, one), _export(producer, two)
+    kept = nixl_read.read_object(consumer, _info(e1), CPU, timeout=30.0)[0].view(torch.float32)
+    leaf = kept[10:20]  # a view is enough to keep the block lent
+    del kept
+    gc.collect()
+    _drain(consumer)
+    assert _landing(consumer).stats()["lent"] == 1
+    for _ in range(5):  # every later READ lands elsewhere
+        got = nixl_read.read_object(consumer, _info(e2), CPU, timeout=30.0)[0].view(torch.float32)
+        assert torch.equal(got, two)
+        del got
+        _drain(consumer)
+    assert torch.equal(leaf, torch.full((10,), 1.0))  # the first result's bytes are untouched
+    assert _landing(consumer).stats()["made"] == 2
+    del leaf
+    _drain(consumer)
+    s = _landing(consumer).stats()
+    assert s["lent"] == 0 and s["lent_bytes"] == 0 and s["idle"] == 2  # both back in the pool
+    for e in (e1, e2):
+        nixl_export.release(producer, e)
+
+
+def test_idle_blocks_are_bounded_and_deregistered_after_their_time(agents):
+    producer, consumer = agents
+    empty = _md_size(consumer)
+    pool = _landing(consumer)
+    entries = [_export(producer, torch.full(((i + 1) * MiB // 4,), float(i))) for i in range(pool.max_idle + 4)]
+    held = [nixl_read.read_object(consumer, _info(e), CPU, timeout=30.0) for e in entries]  # all lent at once
+    assert all(torch.equal(h[0].view(torch.float32), torch.full(((i + 1) * MiB // 4,), float(i)))
+               for i, h in enumerate(held))
+    assert pool.stats()["lent"] == len(entries) and _md_size(consumer) > empty
+    del held
+    gc.collect()
+    _drain(consumer)
+    s = pool.stats()
+    assert s["lent"] == 0 and s["lent_bytes"] == 0
+    assert s["idle"] == pool.max_idle and s["idle_bytes"] <= pool.max_idle_bytes  # the rest were deregistered
+    pool.ttl = 0.0
+    time.sleep(0.01)
+    _drain(consumer)
+    assert pool.stats()["idle"] == 0
+    assert _md_size(consumer) == empty  # NIXL holds nothing for them
+    for e in entries:
+        nixl_export.release(producer, e)
+
+
+def test_small_reads_and_reads_beyond_the_lent_bound_register_per_read(agents):
+    producer, consumer = agents
+    pool = _landing(consumer)
+    small = _export(producer, torch.full((1024,), 3.0))  # 4 KiB: below MIN_BYTES
+    got = nixl_read.read_object(consumer, _info(small), CPU, timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), torch.full((1024,), 3.0))
+    assert pool.stats()["made"] == 0
+    pool.max_lent_bytes = MiB
+    big = _export(producer, torch.full((MiB,), 4.0))  # 4 MiB: beyond the bound
+    calls = _count_registrations(consumer)
+    for _ in range(2):
+        got = nixl_read.read_object(consumer, _info(big), CPU, timeout=30.0)
+        assert torch.equal(got[0].view(torch.float32), torch.full((MiB,), 4.0))
+    assert calls == [1, 1] and pool.stats()["made"] == 0  # registered for each READ, as before
+    for e in (small, big):
+        nixl_export.release(producer, e)
+
+
+def test_a_timed_out_read_keeps_its_block_until_it_ends(monkeypatch):
+    """Over UCX TCP a READ moves only while the producer's agent progresses: holding its lock stalls it."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    producer, consumer = BareContext(), BareContext()
+    try:
+        state = torch.full((2 * MiB,), 5.0)
+        entry = _export(producer, state)
+        first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
+        del first
+        _drain(consumer)
+        pool = _landing(consumer)
+        assert pool.stats()["idle"] == 1
+        stall = threading.Event()
+
+        def hold() -> None:
+            with producer.nixl.lock:
+                stall.wait(20.0)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        with pytest.raises(TimeoutError):
+            nixl_read.read_object(consumer, _info(entry), CPU, timeout=0.5)
+        s = pool.stats()
+        assert s["lent"] == 1 and s["idle"] == 0  # the parked READ's block stays out of the pool
+        stall.set()
+        holder.join(10.0)
+        assert wait_for(lambda: not consumer.nixl.parked, timeout=20)  # NIXL said it ended: reaped
+        assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
+        got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+        assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
+        nixl_export.release(producer, entry)
+    finally:
+        for ctx in (producer, consumer):
+            if ctx.nixl is not None:
+                ctx.nixl.close()
