@@ -30,6 +30,11 @@ def landing(ctx: Any, site: Site, i: int, nbytes: int, device: Optional[torch.de
         t = site.into[i]
         if t is not None and t.numel() == nbytes and t.device.type == device.type:
             return t
+    return fresh_bytes(ctx, nbytes, device)
+
+
+def fresh_bytes(ctx: Any, nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` on ``device``: from the receive pool for CPU memory."""
     if device.type == "cpu":
         return ctx.buffers.empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -120,5 +125,5 @@ def block_views(ctx: Any, sizes: List[int], device: Optional[torch.device] = Non
     device = device or torch.device("cpu")
     offsets, total = padded_offsets(sizes)
     room = max(total, 1)
-    block = ctx.buffers.empty(room) if device.type == "cpu" else torch.empty(room, dtype=torch.uint8, device=device)
+    block = fresh_bytes(ctx, room, device)
     return BlockViews(block, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))

@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..receive import fresh_bytes
+
 
 class _Block:
     """A registered landing block: its memory (kept by the pool), size, NIXL registration and idle time."""
@@ -109,8 +111,7 @@ class LandingPool:
     def _new(self, ctx: Any, nbytes: int, device: torch.device) -> _Block:
         unit = self.BIG_UNIT if nbytes >= self.BIG_BYTES else self.SMALL_UNIT
         size = -(-nbytes // unit) * unit
-        tensor = ctx.buffers.empty(size) if device.type == "cpu" else torch.empty(size, dtype=torch.uint8,
-                                                                                  device=device)
+        tensor = fresh_bytes(ctx, size, device)
         reg = self._owner.agent.register_memory([tensor])
         self.made += 1
         return _Block(tensor, reg)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..base import Context
-from ..receive import BlockViews, block_views, padded_offsets
+from ..receive import BlockViews, fresh_bytes, padded_offsets
 from .agent import NixlAgent, ParkedRead, agent, release_all
 from .descriptors import NixlInfo, PackedDescs, group_by_mem_type, mem_type_of
 
@@ -100,7 +100,7 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
                 dst[i] = block[o:o + n]
                 covered.add(i)
             else:  # too small for a block, or the bound on lent blocks is reached: registered for this READ
-                dst[i] = torch.empty(n, dtype=torch.uint8, device=on) if on.type == "cuda" else ctx.buffers.empty(n)
+                dst[i] = fresh_bytes(ctx, n, on)
     bufs: List[torch.Tensor] = dst  # type: ignore[assignment]  # every slot is filled now
     _sync_cuda(bufs, landed)  # fresh VRAM may still be in use by kernels queued before this fetch
     local_types = [mem_type_of(d) for d in bufs]
@@ -128,15 +128,15 @@ def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -
     descs = info.descs
     sizes = descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs]
     offsets, total = padded_offsets(sizes)
+    cpu = torch.device("cpu")
     with ag.lock:
-        landed = ag.landing.take(ctx, max(total, 1), torch.device("cpu"))
-    if landed is not None:
-        views = BlockViews(landed, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))
-        regs: List[Any] = []
-    else:
-        views = block_views(ctx, sizes)
+        block = ag.landing.take(ctx, max(total, 1), cpu)
+    regs: List[Any] = []
+    if block is None:  # too small for a landing block, or the lent bound is reached: registered for this READ
+        block = fresh_bytes(ctx, max(total, 1), cpu)
         with ag.lock:
-            regs = [ag.agent.register_memory([views.block])]
+            regs.append(ag.agent.register_memory([block]))
+    views = BlockViews(block, offsets, list(sizes), dense=bool(sizes) and total == sum(sizes))
     base = views.block.data_ptr()
     if info.packed:  # laid out as this block is: one descriptor for the whole object
         total = views.offsets[-1] + views.sizes[-1]
