@@ -212,7 +212,26 @@ def test_stats_of_an_actor_that_never_used_rdt_is_empty_without_calling_it(fresh
     stats = rdt.stats(fresh_node, timeout=30)
     assert _not_done(busy), "rdt.stats waited for the actor's running method"
     assert stats["objects"] == 0 and stats["transfers"] == {}
+    # the same keys as a process that uses rdt (code reading stats()["sharded"]["readers"] works for any actor),
+    # every count zero
+    mine = rdt.stats()
+    assert _shape(stats) == _shape(mine), (sorted(stats), sorted(mine))
+    assert not any(_numbers(stats)), stats
     assert ray.get(busy, timeout=30) == "done"
+
+
+def _shape(d):
+    """The nested keys of a stats dict (its per-transport transfer and path tables left out: they name what ran)."""
+    return {k: _shape(v) if isinstance(v, dict) and k not in ("transfers", "paths") else None for k, v in d.items()}
+
+
+def _numbers(d):
+    """Every number in a nested stats dict."""
+    for v in d.values():
+        if isinstance(v, dict):
+            yield from _numbers(v)
+        elif isinstance(v, (int, float)):
+            yield v
 
 
 # ---------------------------------------------------------------------------------------------- outside the group

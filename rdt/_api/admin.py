@@ -35,11 +35,17 @@ def _local_stats(_actor: Any = None) -> Dict[str, Any]:
 
 
 def _empty_stats() -> Dict[str, Any]:
-    """What a process that never loaded rdt holds: nothing."""
-    return {"objects": 0, "bytes": 0, "freed": 0, "transfers": {}, "paths": {}, "shm_segments": 0,
-            "shm_pool": {"segments": 0, "bytes": 0, "hits": 0, "misses": 0},
-            "recv_pool": {"bytes": 0, "hits": 0, "misses": 0}, "control_rejected": 0,
-            "exported_storages": {"nixl": 0, "cuda_ipc": 0}}
+    """What a process that never loaded rdt holds: nothing, in the shape this process's stats() has (every key,
+    every count zero, no transfers), so that code reading a nested key works for any actor."""
+
+    def zero(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        return 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    out = zero(_local_stats())
+    out["transfers"], out["paths"] = {}, {}
+    return out
 
 
 def stats(actor: Any = None, *, timeout: float = 30.0) -> Dict[str, Any]:
