@@ -35,7 +35,7 @@ from ._fault_actors import (
     stopped,
     table_state,
 )
-from .conftest import HAS_NIXL, wait_for
+from .conftest import HAS_NIXL, freeze, wait_for
 
 MiB = 1 << 20
 KILLS = ["ray.kill", "sigkill"]
@@ -292,7 +292,7 @@ def test_hung_producer_times_out(pool):
         segment_ref = victim.make_shm.remote(9, 4 * MiB)  # written to a segment at return
         ray.wait(list(refs.values()) + [segment_ref], num_returns=len(refs) + 1, timeout=60)
         healthy = Healthy(pool)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             for t, direct in (("gloo", True), ("auto", False)):  # auto without direct reads asks for a segment
                 ray.get(c1.configure.remote(shm_cma=direct), timeout=30)
@@ -338,7 +338,7 @@ def test_transfer_timeout_names_the_group(pool):
     try:
         ref = victim.make_gloo.remote(1, MiB)
         ray.wait([ref], timeout=60)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             with pytest.raises(TransferTimeoutError, match="chaos-timeout-names-me"):
                 ray.get(c1.digest.remote(ref), timeout=60)
@@ -387,7 +387,7 @@ def test_failed_fetch_does_not_pin_the_object(pool):
     try:
         ref = victim.make_auto.remote(1, MiB)
         ray.wait([ref], timeout=60)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             with pytest.raises(TransferTimeoutError):
                 ray.get(c1.digest.remote(ref), timeout=60)

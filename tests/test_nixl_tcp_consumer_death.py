@@ -33,7 +33,7 @@ import torch
 
 import rdt
 
-from .conftest import HAS_NIXL
+from .conftest import HAS_NIXL, freeze
 
 pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"),
               pytest.mark.timeout(120)]
@@ -77,7 +77,7 @@ def test_producer_survives_a_tcp_consumer_dying_while_it_is_stopped(ray_cluster)
     assert ray.get(victim.where.remote(), timeout=60) == rdt.__file__
     ref = p.weights.remote(2 << 20)  # 8 MiB
     assert ray.get(victim.fetch.remote([ref], 60.0), timeout=120) == "ok"  # agents connected over TCP
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         victim.fetch.remote([ref], 30.0)  # its READ waits on the stopped producer
         time.sleep(1.0)

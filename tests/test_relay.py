@@ -21,7 +21,7 @@ from rdt._control import wire as _control
 
 from ._relay_actors import (RelayNode, control_address, digests, hold_first_relay_post, nbytes, poll_relay_chain,
                             relay_chains, relay_state)
-from .conftest import wait_for
+from .conftest import freeze, wait_for
 
 BIG = 6 << 20  # float32 elements per large tensor: the object is about 75 MiB
 
@@ -52,7 +52,7 @@ def _stop_while_receiving(p, victim, pid: int, ref):
     first: nothing could be tested); its fetch call."""
     call = victim.fetch_at.remote([ref], time.time(), "get")
     assert wait_for(lambda: _relay(p).get("chains", 0) > 0, timeout=30, interval=0.002)
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     if _relay(p).get("open_tails", 0) == 0:
         pytest.skip("c1 finished before it could be stopped")
     return call
@@ -120,7 +120,7 @@ def test_a_relay_that_dies_mid_transfer_leaves_the_others_served(ray_cluster):
             chains = _relay(p).get("chains", 0)
             first = victim.fetch_at.remote([ref], time.time(), "get")
             assert wait_for(lambda: _relay(p).get("chains", 0) > chains, timeout=30, interval=0.002)
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)
             if _relay(p).get("open_tails", 0) > 0:  # c1 did not finish before it was stopped
                 stopped = True
                 break

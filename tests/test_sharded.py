@@ -17,7 +17,7 @@ from rdt._sharded.layout import Region, runs
 from rdt._sharded.publish import ParamInfo, Shards
 
 from ._sharded_actors import SHAPES, Consumer, Trainer, expected
-from .conftest import HAS_NIXL, _free_port
+from .conftest import HAS_NIXL, _free_port, freeze
 
 TP = 2
 STAGING = 2 * (4 << 20)  # gloo's staging per consumer, at most: two messages of 4 MiB
@@ -420,14 +420,16 @@ def test_a_stopped_producer_fails_the_load_in_time_and_never_writes_after(traine
     manifest = _manifest(trainers, "shm")
     before = ray.get(consumers[0].targets_now.remote())
     pid = ray.get(trainers[1].pid.remote())
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         start = time.monotonic()
         err = ray.get(consumers[0].try_load.remote(manifest, 2.0))
         took = time.monotonic() - start
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert err.startswith("TransferTimeoutError") and "producer rank 1" in err, err
+    # refused at its registration, before any byte moved (a rank stopped after it registered would fail the load
+    # at the end of its read, the targets undefined: freeze() waits until every thread of it stopped)
+    assert err.startswith("TransferTimeoutError") and "producer rank 1" in err and "the start of a read" in err, err
     assert took < 6.0, took
     time.sleep(0.5)
     after = ray.get(consumers[0].targets_now.remote())
