@@ -344,10 +344,14 @@ def create_collective_group(
     handle = GroupHandle(group_name, uid, backend, actors, ranks, seconds)
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
     errors: List[str] = []
+    starting = False
     for a, r, ref in zip(actors, ranks, refs):
         if ref in pending:
-            errors.append(f"rank {r} (actor {a._actor_id.hex()}): did not join within {seconds:.0f}s "
-                          "(actor busy, stuck, or not scheduled for lack of resources?)")
+            state = _not_started(a)
+            starting = starting or state is not None
+            errors.append(f"rank {r} (actor {a._actor_id.hex()}): " + (
+                f"had not started within {seconds:.0f}s (Ray's actor state {state})" if state is not None else
+                f"did not join within {seconds:.0f}s (actor busy in a long method, or stuck?)"))
             continue
         try:
             ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
@@ -357,10 +361,28 @@ def create_collective_group(
         handle.destroy(timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))  # never long past the deadline
         raise GroupError(
             "could not create the group: " + "; ".join(errors), group=group_name, op="create_collective_group",
-            hint="fix the failures above (a group name already used by an actor must be destroyed first)",
+            hint=_STARTING_HINT if starting else
+            "fix the failures above (a group name already used by an actor must be destroyed first)",
         )
     _created.add(handle)
     return handle
+
+
+_STARTING_HINT = ("wait until the actors are up before making the group (ray.get([a.__ray_ready__.remote() for a "
+                  "in actors])), or raise timeout=; an actor that never starts asks for resources Ray cannot give "
+                  "(see `ray status`)")
+
+
+def _not_started(actor: Any) -> Optional[str]:
+    """Ray's state of ``actor`` when its process has not started (e.g. PENDING_CREATION); None when it is alive,
+    or its state is unknown."""
+    import ray
+
+    try:
+        state = ray._private.state.actors(actor_id=actor._actor_id.hex()).get("State")
+    except Exception:  # noqa: BLE001 - unknown: report it as not joined
+        return None
+    return None if state in (None, "ALIVE") else str(state)
 
 
 def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name: str, seconds: float,
@@ -371,13 +393,18 @@ def _check_members(actors: List[Any], ranks: List[int], backend: str, group_name
 
     refs = [a.__ray_call__.remote(_preflight_on_actor, backend, group_name) for a in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
-    silent = [f"rank {r} (actor {a._actor_id.hex()})" for a, r, ref in zip(actors, ranks, refs) if ref not in ready]
+    silent = [(a, r) for a, r, ref in zip(actors, ranks, refs) if ref not in ready]
     if silent:
+        states = [_not_started(a) for a, _ in silent]
         raise GroupError(
-            f"could not create the group: {', '.join(silent)} did not answer within {seconds:.0f}s",
+            "could not create the group: " + "; ".join(
+                f"rank {r} (actor {a._actor_id.hex()}) " + (
+                    f"had not started within {seconds:.0f}s (Ray's actor state {state})" if state is not None else
+                    f"did not answer within {seconds:.0f}s")
+                for (a, r), state in zip(silent, states)),
             group=group_name, op="create_collective_group",
-            hint="the actor is busy in a long method, stuck, or not scheduled (its resources, e.g. num_gpus, are "
-            "taken): free them or raise the timeout",
+            hint=_STARTING_HINT if any(states) else
+            "the actor is busy in a long method or stuck: let it finish, or raise the timeout",
         )
     problems: List[str] = []
     hint: Optional[str] = None

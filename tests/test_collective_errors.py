@@ -272,6 +272,36 @@ def test_driver_is_not_a_member(pair_groups) -> None:
     assert rt.get_rank(name) == -1 and not rt.is_group_initialized(name)
 
 
+@ray.remote(num_cpus=0)
+class _SlowStart:
+    """An actor whose constructor takes ``seconds`` (a process still importing its model, or a slow node)."""
+
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def ping(self) -> int:
+        return 1
+
+
+def test_a_member_still_starting_is_named_as_not_started_with_the_fix(ew) -> None:
+    """Before, a member whose process was still starting at the deadline was reported as one that "did not join"
+    (busy, stuck, or not scheduled?), the same as a stuck one; it is now named as not started, with the fix (wait
+    for the actors first, or raise timeout=). A started member that never joined keeps the old words."""
+    slow = _SlowStart.remote(8.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(GroupError) as info:
+            rt.create_collective_group([ew[0], slow], backend="gloo", group_name="slow-start", timeout=2.0)
+        assert time.monotonic() - start < 2.0 + SLACK_S
+        msg = assert_error(info.value, GroupError, group="slow-start", op="create_collective_group",
+                           contains=(f"rank 1 (actor {slow._actor_id.hex()}): had not started within 2s",
+                                     "__ray_ready__", "timeout="))
+        assert "rank 0" in msg and "had not started" not in msg.split("rank 1", 1)[0], msg
+        assert ray.get(slow.ping.remote(), timeout=60) == 1  # it starts later, unharmed
+    finally:
+        ray.kill(slow)
+
+
 def test_driver_destroys_the_groups_it_created_by_name(ew) -> None:
     """``destroy_collective_group(name)`` in the driver that created ``name`` destroys it on its members (the
     handle kept or not); the name is free again at once; a name it never created names the group in the error."""
