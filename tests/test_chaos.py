@@ -35,7 +35,8 @@ from ._fault_actors import (
     stopped,
     table_state,
 )
-from .conftest import HAS_NIXL, freeze, wait_for
+from ._stop import freeze
+from .conftest import HAS_NIXL, wait_for
 
 MiB = 1 << 20
 KILLS = ["ray.kill", "sigkill"]

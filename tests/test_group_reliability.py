@@ -22,6 +22,7 @@ import rdt_transports as rt
 from rdt_transports import errors as rte
 
 from . import _fault_actors as fa
+from ._stop import freeze
 from .conftest import HAS_NIXL, HAS_UCXX, wait_for
 
 SLACK_S = 5.0  # how much later than its deadline a call may return on a loaded 2-core machine
@@ -67,7 +68,10 @@ def freeze_consumer_on_next_fetch(consumer_pid: int, seconds: float) -> None:
     def hooked(key_id: int, payload: bytes) -> Any:
         server._handlers[1] = original
         out = original(key_id, payload)
-        os.kill(consumer_pid, signal.SIGSTOP)
+        try:
+            freeze(consumer_pid, timeout=5.0)  # every thread of it stopped before this answer goes out
+        except AssertionError:
+            pass  # it did not stop in time (freeze resumed it): a consumer merely slow, still a valid case
         resume = threading.Timer(seconds, os.kill, (consumer_pid, signal.SIGCONT))
         resume.daemon = True
         resume.start()

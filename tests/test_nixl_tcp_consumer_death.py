@@ -33,7 +33,8 @@ import torch
 
 import rdt
 
-from .conftest import HAS_NIXL, freeze
+from ._stop import freeze
+from .conftest import HAS_NIXL
 
 pytestmark = [pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed: pip install 'ray-direct-transport[nixl]'"),
               pytest.mark.timeout(120)]

@@ -21,7 +21,8 @@ from rdt._control import wire as _control
 
 from ._relay_actors import (RelayNode, control_address, digests, hold_first_relay_post, nbytes, poll_relay_chain,
                             relay_chains, relay_state)
-from .conftest import freeze, wait_for
+from ._stop import freeze
+from .conftest import wait_for
 
 BIG = 6 << 20  # float32 elements per large tensor: the object is about 75 MiB
 

@@ -17,7 +17,8 @@ from rdt._sharded.layout import Region, runs
 from rdt._sharded.publish import ParamInfo, Shards
 
 from ._sharded_actors import SHAPES, Consumer, Trainer, expected
-from .conftest import HAS_NIXL, _free_port, freeze
+from ._stop import freeze
+from .conftest import HAS_NIXL, _free_port
 
 TP = 2
 STAGING = 2 * (4 << 20)  # gloo's staging per consumer, at most: two messages of 4 MiB
