@@ -197,3 +197,97 @@ def test_a_timed_out_read_keeps_its_block_until_it_ends(monkeypatch):
         for ctx in (producer, consumer):
             if ctx.nixl is not None:
                 ctx.nixl.close()
+
+
+def test_an_error_while_a_read_is_in_flight_parks_it_like_a_timeout(monkeypatch):
+    """Before: an error raised while a READ was still in flight (a failing state check, an interrupt during the
+    wait) released its handles and let its block go back to the pool, where the next fetch could get it while the
+    READ still wrote into it (releasing a handle does not stop UCX). It is now parked, as a timed-out READ is."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    producer, consumer = BareContext(), BareContext()
+    try:
+        state = torch.full((2 * MiB,), 6.0)
+        entry = _export(producer, state)
+        first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
+        del first
+        _drain(consumer)
+        pool = _landing(consumer)
+        stall = threading.Event()
+
+        def hold() -> None:
+            with producer.nixl.lock:
+                stall.wait(20.0)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        real = consumer.nixl.agent.check_xfer_state
+        calls = []
+
+        def failing(handle: Any) -> Any:
+            calls.append(handle)
+            if len(calls) == 3:
+                raise RuntimeError("injected: the state check failed")
+            return real(handle)
+
+        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
+        gc.collect()
+        _drain(consumer)
+        assert consumer.nixl.parked and pool.stats()["lent"] == 1  # the READ may still write: its block stays out
+        remote = consumer.nixl._remotes[_info(entry).agent]
+        assert remote.inflight == 1  # the producer's agent stays loaded until the parked READ is reaped
+        stall.set()
+        holder.join(10.0)
+        assert wait_for(lambda: not consumer.nixl.parked, timeout=20)
+        assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
+        assert remote.inflight == 0
+        got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+        assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
+        nixl_export.release(producer, entry)
+    finally:
+        for ctx in (producer, consumer):
+            if ctx.nixl is not None:
+                ctx.nixl.close()
+
+
+def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends(monkeypatch):
+    """The same with rdt.get(into=): the caller's target is marked busy (a later fetch into it waits) until the
+    interrupted READ ended, and then holds the bytes it landed."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    producer, consumer = BareContext(), BareContext()
+    try:
+        state = torch.full((MiB,), 7.0)
+        entry = _export(producer, state)
+        target = torch.zeros(MiB)
+        nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[target.view(torch.uint8)])
+        target.zero_()
+        stall = threading.Event()
+
+        def hold() -> None:
+            with producer.nixl.lock:
+                stall.wait(20.0)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        real = consumer.nixl.agent.check_xfer_state
+
+        def interrupted(handle: Any) -> Any:
+            raise KeyboardInterrupt  # what Ctrl-C or ray.cancel delivers while the caller waits
+
+        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[target.view(torch.uint8)])
+        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
+        busy = consumer.nixl.busy
+        assert len(busy) == 1 and busy.wait_free([target], 0.2)  # still held: a fetch into it would wait
+        stall.set()
+        holder.join(10.0)
+        assert wait_for(lambda: len(busy) == 0, timeout=20)
+        assert torch.equal(target, state)
+        nixl_export.release(producer, entry)
+    finally:
+        for ctx in (producer, consumer):
+            if ctx.nixl is not None:
+                ctx.nixl.close()

@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 from ..base import Ranges
 from .agent import agent, release_all
 from .descriptors import NixlInfo
-from .read import _Parked, _transfer
+from .read import _transfer, was_parked
 
 
 def read_ranges(ctx: Any, info: NixlInfo, ranges: Ranges, timeout: float) -> Optional[str]:
@@ -33,8 +33,8 @@ def read_ranges(ctx: Any, info: NixlInfo, ranges: Ranges, timeout: float) -> Opt
         held, regs = regs, []
         _transfer(ag, info, [(local, remote, "DRAM", "DRAM")], held, targets, timeout, targets=targets,
                   label="a sharded load")
-    except _Parked:
-        parked = True
+    except BaseException as e:
+        parked = was_parked(e)
         raise
     finally:
         if regs:

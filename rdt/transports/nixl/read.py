@@ -41,8 +41,8 @@ def read_object(ctx: "Context", info: NixlInfo, device: torch.device, timeout: f
     parked = False
     try:
         return _read(ctx, ag, info, device, timeout, dests, label)
-    except _Parked:
-        parked = True  # it stays counted as in flight until the progress thread reaps it
+    except BaseException as e:
+        parked = was_parked(e)  # it stays counted as in flight until the progress thread reaps it
         raise
     finally:
         if not parked:
@@ -51,6 +51,12 @@ def read_object(ctx: "Context", info: NixlInfo, device: torch.device, timeout: f
 
 class _Parked(TimeoutError):
     """A READ timed out but may still be moving data: its memory was parked on the agent."""
+
+
+def was_parked(e: BaseException) -> bool:
+    """Whether the READ that raised ``e`` was parked (timed out, or failed or interrupted while in flight): the
+    progress thread then ends it, its remote agent included, once NIXL says it is over."""
+    return isinstance(e, _Parked) or getattr(e, "rdt_parked", False) is True
 
 
 class ParkedLimit(RuntimeError):
@@ -148,6 +154,18 @@ def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -
     return views
 
 
+def _park(ag: NixlAgent, info: NixlInfo, handles: List[Any], regs: List[Any], keep: List[torch.Tensor],
+          targets: Sequence[torch.Tensor], label: str) -> str:
+    """Keep the memory of READs that may still complete (and their handles: releasing one does not stop UCX, it
+    only hides when the bytes land) until NIXL says they ended, the caller's targets marked busy meanwhile; what
+    to tell the caller about its targets."""
+    hold = ag.busy.mark(targets, f"the NIXL READ of {label} from {info.agent}")
+    with ag.lock:
+        ag.parked.append(ParkedRead(handles, regs, keep, info.agent, hold))
+    return (f"; it is still in flight and may write into the {len(targets)} into= target(s) until it ends (a later "
+            "rdt.get into them waits for it)") if hold is not None else ""
+
+
 def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str]], regs: List[Any],
               keep: List[torch.Tensor], timeout: float, targets: Sequence[torch.Tensor] = (),
               label: str = "an object") -> None:
@@ -155,6 +173,7 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
     registrations, released here with the handles; ``keep``: the local memory, parked if a READ times out;
     ``targets``: the caller's tensors among it, marked busy while a parked READ may write them)."""
     handles: List[Any] = []
+    states: List[str] = []  # one per READ posted: while one may be in flight, a failure parks them
     try:
         with ag.lock:
             for local_descs, remote_descs, local_type, remote_type in plan:
@@ -163,19 +182,14 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
                     else ag.agent.get_xfer_descs(local_descs)
                 remote = ag.agent.get_xfer_descs(remote_descs, remote_type)
                 handles.append(ag.agent.initialize_xfer("READ", local, remote, info.agent))
-            states = [ag.agent.transfer(h) for h in handles]
+            for h in handles:
+                states.append(ag.agent.transfer(h))
         deadline = time.monotonic() + timeout
         delay = 1e-5
         while "PROC" in states:
             if time.monotonic() > deadline:
-                # It may still complete later: keep its memory (and handles: releasing one does not stop UCX, it
-                # only hides when the bytes land) until it does, and mark the caller's targets busy meanwhile.
-                hold = ag.busy.mark(targets, f"the NIXL READ of {label} from {info.agent}")
-                with ag.lock:
-                    ag.parked.append(ParkedRead(handles, regs, keep, info.agent, hold))
-                handles, regs = [], []
-                late = (f"; it is still in flight and may write into the {len(targets)} into= target(s) until it "
-                        "ends (a later rdt.get into them waits for it)") if hold is not None else ""
+                late = _park(ag, info, handles, regs, keep, targets, label)
+                handles, regs, states = [], [], []
                 raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s{late}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
@@ -184,6 +198,16 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
         bad = [st for st in states if st != "DONE"]
         if bad:
             raise RuntimeError(f"NIXL READ from {info.agent} failed (state {bad[0]}); the producer may have died")
+    except BaseException as e:
+        if "PROC" in states:  # an error or interrupt while a READ may be in flight: it may still write
+            posted, handles = handles[:len(states)], handles[len(states):]
+            _park(ag, info, posted, regs, keep, targets, label)
+            regs = []
+            try:
+                e.rdt_parked = True  # type: ignore[attr-defined]  # see was_parked
+            except Exception:  # noqa: BLE001 - an exception type without attributes: cannot happen for builtins
+                pass
+        raise
     finally:
         if handles or regs:
             with ag.lock:
