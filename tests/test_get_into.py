@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -324,6 +325,25 @@ class AsyncConsumer:
 
     async def arm_failure(self, fill: float) -> None:
         _arm_gate(0, 10.0, fail_fill=fill)
+
+    async def cancel_then_load(self, stuck: List[Any], other: List[Any]) -> str:
+        """Give up on a fetch of ``stuck`` into the params after 0.5 s (asyncio.wait_for cancels it), then fetch
+        ``other`` into them: "ok", or the error. Shared memory is read from a segment the producer writes on
+        request (no direct reads, no mappings), so a fetch from a stopped producer waits."""
+        rdt.configure(shm_cma=False, shm_map=False)
+        try:
+            await asyncio.wait_for(rdt.get_async(stuck[0], into=self.params, timeout=30.0), 0.5)
+            return "the stuck fetch finished"
+        except asyncio.TimeoutError:
+            pass
+        try:
+            await rdt.get_async(other[0], into=self.params, timeout=30.0)
+        except rdt.RdtError as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    async def params_now(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.params.items()}
 
     async def await_ref(self, refs: List[Any]) -> float:
         value = await refs[0]
@@ -670,3 +690,33 @@ def test_async_consumer_keeps_its_loop_serving(ray_cluster) -> None:
     finally:
         ray.kill(a)
         ray.kill(big)
+
+
+def test_a_cancelled_get_async_keeps_its_targets_busy_until_its_fetch_ends(actors, fresh_async_consumer) -> None:
+    """Before: cancelling the task awaiting rdt.get_async(into=) left its fetch running unmarked, so a later fetch
+    into the same tensors landed at once and the abandoned one overwrote it when its producer went on (the targets
+    held the older object's bytes). The later fetch now waits until the abandoned one ended, then lands."""
+    import os
+    import signal
+
+    from ._stop import freeze
+
+    p, _ = actors
+    other = Producer.remote()
+    try:
+        stuck, fresh = p.shm.remote(1.0), other.shm.remote(2.0)
+        assert len(ray.wait([stuck, fresh], num_returns=2, timeout=120)[0]) == 2
+        pid = ray.get(p.pid.remote(), timeout=60)
+        freeze(pid)  # the fetch from it waits for its segment while it is stopped
+        try:
+            call = fresh_async_consumer.cancel_then_load.remote([stuck], [fresh])
+            time.sleep(3.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert ray.get(call, timeout=120) == "ok"
+        time.sleep(1.0)  # had the abandoned fetch not been waited for, it would land by now
+        got = ray.get(fresh_async_consumer.params_now.remote(), timeout=60)
+        assert all(torch.equal(got[k], v) for k, v in _state(2.0).items()), {k: float(v.flatten()[-1])
+                                                                              for k, v in got.items()}
+    finally:
+        ray.kill(other)

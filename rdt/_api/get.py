@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence
@@ -92,9 +93,63 @@ def get(refs: Any, *, into: Any = None, timeout: float = 60.0) -> Any:
 
 
 async def get_async(refs: Any, *, into: Any = None, timeout: float = 60.0) -> Any:
-    """``rdt.get`` for async actors: the fetch runs on a worker thread, so the event loop keeps serving."""
+    """``rdt.get`` for async actors: the fetch runs on a worker thread, so the event loop keeps serving.
+
+    Cancelling the awaiting task cannot stop a fetch already running: it goes on until it ends (at most
+    ``timeout``), so its ``into`` targets stay marked busy until then and a later fetch into them waits for it.
+    """
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, functools.partial(get, refs, into=into, timeout=timeout))
+    run = _AsyncFetch(functools.partial(get, refs, into=into, timeout=timeout))
+    try:
+        return await loop.run_in_executor(None, run)
+    except asyncio.CancelledError:
+        run.abandon(into)
+        raise
+
+
+class _AsyncFetch:
+    """One ``get_async`` fetch on an executor thread; abandoned by its caller, it fetches nothing if it had not
+    started, else keeps its ``into`` targets marked busy until it ends."""
+
+    def __init__(self, fetch: Any) -> None:
+        self.fetch = fetch
+        self.lock = threading.Lock()
+        self.started = self.ended = self.abandoned = False
+        self.hold: Any = None
+
+    def __call__(self) -> Any:
+        with self.lock:
+            if self.abandoned:  # cancelled before it began: nothing moves
+                return None
+            self.started = True
+        try:
+            return self.fetch()
+        finally:
+            with self.lock:
+                self.ended = True
+                hold, self.hold = self.hold, None
+            if hold is not None:
+                _context().busy_targets.clear(hold)
+
+    def abandon(self, into: Any) -> None:
+        with self.lock:
+            if not self.started:
+                self.abandoned = True
+            elif not self.ended:
+                self.hold = _context().busy_targets.mark(
+                    _tensors_in(into), "an rdt.get_async whose caller was cancelled (its fetch cannot be stopped; "
+                    "it ends within its own timeout)")
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    """Every tensor in ``value`` (an ``into`` argument: a tensor, or dicts, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def wait_tensor_freed(tensor: Any, *, timeout: float = 60.0, poll: float = 0.005) -> None:

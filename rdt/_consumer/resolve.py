@@ -106,8 +106,8 @@ def _targets_free(ctx: Any, meta: ObjectMeta, tensors: List[List[torch.Tensor]],
     first = holds[0]
     more = f" (and {len(holds) - 1} more)" if len(holds) > 1 else ""
     raise IntoBusyError(
-        f"{meta.describe()}: the into= targets are still being written by {first.what}{more}, which timed out "
-        f"{time.monotonic() - first.since:.1f}s ago and is still in flight (it cannot be cancelled); waited "
+        f"{meta.describe()}: the into= targets are still being written by {first.what}{more}, which failed for "
+        f"its caller {time.monotonic() - first.since:.1f}s ago and is still in flight (it cannot be cancelled); waited "
         f"{time.monotonic() - start:.1f}s, nothing was moved", object_id=meta.id_hex,
         hint="fetch into other tensors (or without into=) meanwhile, or retry later: that READ ends when its producer "
              "serves it or dies (kill a stuck producer and it fails at once, leaving the targets free)")
