@@ -291,3 +291,64 @@ def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends
         for ctx in (producer, consumer):
             if ctx.nixl is not None:
                 ctx.nixl.close()
+
+
+def test_the_progress_thread_survives_an_error_and_keeps_giving_blocks_back(agents, monkeypatch):
+    """Before: any error in the progress loop ended the thread for good, so parked READs were never reaped (their
+    targets busy forever) and dropped results' landing blocks came back only on the next fetch."""
+    producer, consumer = agents
+    real = consumer.nixl.agent.get_new_notifs
+    failures = []
+
+    def flaky() -> Any:
+        if len(failures) < 3:
+            failures.append(1)
+            raise RuntimeError("injected: progress failed")
+        return real()
+
+    monkeypatch.setattr(consumer.nixl.agent, "get_new_notifs", flaky)
+    assert wait_for(lambda: len(failures) == 3, timeout=10)
+    entry = _export(producer, torch.full((MiB,), 8.0))
+    got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), torch.full((MiB,), 8.0))
+    del got
+    gc.collect()
+    pool = _landing(consumer)
+    assert wait_for(lambda: pool.stats()["idle"] == 1, timeout=10)  # given back by the progress thread alone
+    assert consumer.nixl._thread.is_alive()
+    monkeypatch.setattr(consumer.nixl.agent, "get_new_notifs", real)
+    nixl_export.release(producer, entry)
+
+
+def test_out_of_memory_gives_up_the_idle_blocks_and_tries_again(agents, monkeypatch):
+    """Idle blocks hold memory torch's allocator cannot free: a new block that does not fit fails the fetch only
+    once they were given up (on a GPU the same path runs on VRAM, where the out-of-memory error is real)."""
+    from rdt.transports.nixl import landing
+
+    producer, consumer = agents
+    pool = _landing(consumer)
+    big = _export(producer, torch.full((2 * MiB,), 1.0))  # 8 MiB: its block stays idle once dropped
+    got = nixl_read.read_object(consumer, _info(big), CPU, timeout=30.0)
+    del got
+    gc.collect()
+    _drain(consumer)
+    assert pool.stats()["idle"] == 1
+    real = landing.fresh_bytes
+    calls = []
+
+    def scarce(ctx: Any, nbytes: int, device: torch.device) -> torch.Tensor:
+        calls.append(pool.stats()["idle"])
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected: no memory for a new block")
+        return real(ctx, nbytes, device)
+
+    monkeypatch.setattr(landing, "fresh_bytes", scarce)
+    small = _export(producer, torch.full((MiB // 4,), 2.0))  # 1 MiB: the idle 8 MiB block is too big for it
+    got = nixl_read.read_object(consumer, _info(small), CPU, timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), torch.full((MiB // 4,), 2.0))
+    assert calls == [1, 0]  # failed while the idle block was held, succeeded once it was given up
+    s = pool.stats()
+    assert s["idle"] == 0 and s["lent"] == 1 and s["made"] == 2
+    del got
+    for e in (big, small):
+        nixl_export.release(producer, e)

@@ -6,6 +6,7 @@ for packed objects and for fresh READ destinations, and parks timed-out READs un
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -22,6 +23,8 @@ from ..storage_cache import StorageCache
 from .descriptors import mem_type_of
 from .landing import LandingPool
 from .targets import TargetRegistrations
+
+logger = logging.getLogger("rdt")
 
 _available: Optional[bool] = None
 
@@ -160,7 +163,11 @@ class NixlAgent(TransportState):
                 self.lock.release()
 
     def _progress(self, period: float = 0.002) -> None:
-        while not self._stop.wait(period):
+        """Progress the agent, reap parked READs and give back landing blocks, every ``period`` seconds until
+        stopped. An error does not end it (parked READs would never be reaped, their targets busy for good): it
+        is logged once and the loop goes on, every 100 ms while it lasts."""
+        failing = False
+        while not self._stop.wait(period * (50 if failing else 1)):
             try:
                 with self.lock:
                     self.agent.get_new_notifs()
@@ -168,8 +175,14 @@ class NixlAgent(TransportState):
                         self._reap_parked()
                     self.targets.drain()
                     self.landing.drain()
-            except Exception:  # agent torn down at exit
-                return
+                failing = False
+            except Exception:  # noqa: BLE001 - see above
+                if self._stop.is_set():  # torn down at exit
+                    return
+                if not failing:
+                    logger.warning("rdt: the NIXL progress thread of %s failed; it goes on", self.name,
+                                   exc_info=True)
+                failing = True
 
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""

@@ -109,9 +109,19 @@ class LandingPool:
         return best
 
     def _new(self, ctx: Any, nbytes: int, device: torch.device) -> _Block:
+        """A new block for ``nbytes``; out of memory, the idle blocks on ``device`` are given up and it is tried
+        once more (they hold memory the caching allocator cannot free)."""
         unit = self.BIG_UNIT if nbytes >= self.BIG_BYTES else self.SMALL_UNIT
         size = -(-nbytes // unit) * unit
-        tensor = fresh_bytes(ctx, size, device)
+        try:
+            tensor = fresh_bytes(ctx, size, device)
+        except torch.OutOfMemoryError:
+            idle = [b for b in self._idle if b.tensor.device == device]
+            if not idle:
+                raise
+            self._idle = [b for b in self._idle if b.tensor.device != device]
+            self._drop(idle)
+            tensor = fresh_bytes(ctx, size, device)
         reg = self._owner.agent.register_memory([tensor])
         self.made += 1
         return _Block(tensor, reg)
@@ -153,14 +163,24 @@ class LandingPool:
         while keep and (len(keep) > self.max_idle or sum(b.size for b in keep) > self.max_idle_bytes):
             drop.append(keep.pop(0))  # the longest idle first
         self._idle = keep
-        for b in drop:
-            self._deregister(b)
+        self._drop(drop)
 
     def close(self) -> None:
         """Deregister every idle block (lent ones go with the agent)."""
         self.drain()
         idle, self._idle = self._idle, []
-        for b in idle:
+        self._drop(idle)
+
+    def _drop(self, blocks: List[_Block]) -> None:
+        """Deregister ``blocks`` and let their memory go. VRAM goes back to torch's caching allocator, which orders
+        its reuse only after the stream that allocated it: kernels the callers queued on other streams on the
+        tensors that aliased it may still read it, so the device is synchronized first (drops are rare)."""
+        for dev in {b.tensor.device for b in blocks if b.tensor.device.type == "cuda"}:
+            try:
+                torch.cuda.synchronize(dev)
+            except Exception:  # noqa: BLE001 - a broken context: nothing more can run on it
+                pass
+        for b in blocks:
             self._deregister(b)
 
     def _deregister(self, block: _Block) -> None:
