@@ -148,6 +148,80 @@ def _resume_all(actor: Any) -> None:
             pass
 
 
+def hold_send_waiters(seconds: float) -> None:
+    """(producer side) keep every thread this process waits on object sends with busy for ``seconds``: a large
+    gloo object's data leaves only after that."""
+    from rdt._process.context import SEND_WAITERS, get_context
+
+    gate = threading.Barrier(SEND_WAITERS + 1)
+    for _ in range(SEND_WAITERS):
+        get_context().send_waiters.submit(lambda: (gate.wait(), time.sleep(seconds)))
+    gate.wait(10.0)
+
+
+_KEPT: Dict[str, torch.Tensor] = {}
+
+
+def interrupted_then_other(stuck: List[Any], other: List[Any], nbytes: int) -> Tuple[str, str]:
+    """(consumer side) fetch ``stuck`` into a target on a thread and interrupt it after 0.5 s (KeyboardInterrupt,
+    as Ctrl-C or ray.cancel deliver), then fetch ``other`` into the same target: (the first fetch's error type,
+    "ok" or the second's error). The target stays here for :func:`kept_checksum`."""
+    import ctypes
+
+    import rdt
+
+    rdt.configure(relay=False)
+    target = _KEPT["t"] = torch.zeros(nbytes, dtype=torch.uint8)
+    first: List[str] = []
+
+    def fetch() -> None:
+        try:
+            rdt.get(stuck[0], into={"t": target}, timeout=30.0)
+            first.append("finished")
+        except BaseException as e:  # noqa: BLE001 - reported
+            first.append(type(e).__name__)
+
+    th = threading.Thread(target=fetch)
+    th.start()
+    time.sleep(0.5)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(th.ident), ctypes.py_object(KeyboardInterrupt))
+    th.join(30.0)
+    try:
+        rdt.get(other[0], into={"t": target}, timeout=30.0)
+        second = "ok"
+    except rdt.RdtError as e:
+        second = f"{type(e).__name__}: {e}"
+    return first[0] if first else "still running", second
+
+
+def kept_checksum() -> str:
+    return fa.checksum(_KEPT["t"])
+
+
+def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_ends(ray_cluster) -> None:
+    """Before: a gloo fetch into rdt.get(into=) targets whose wait was interrupted left its receives posted on
+    the targets, unmarked: a later fetch into them landed at once, and the abandoned receive overwrote it when
+    the producer's data came (the targets held the abandoned object's bytes). The later fetch now waits until
+    the receive ended, then lands."""
+    p, c = _peers(2)
+    name = "rel-interrupted"
+    handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
+    nbytes = 32 * MiB  # large: the data leaves once the consumer said its receives are posted, on a send waiter
+    try:
+        stuck, other = p.make_gloo.remote(21, nbytes), p.make_shm.remote(22, nbytes)
+        assert len(ray.wait([stuck, other], num_returns=2, timeout=60)[0]) == 2
+        assert _call(p, hold_send_waiters, 3.0)[0] is None
+        err, value, _ = _call(c, interrupted_then_other, [stuck], [other], nbytes)
+        assert err is None, err
+        assert value[0] == "KeyboardInterrupt" and value[1] == "ok", value
+        time.sleep(4.0)  # the held sends went out by now: had the receive not been waited for, it landed since
+        err, digest, _ = _call(c, kept_checksum)
+        assert err is None and digest == fa.expected_checksum(22, nbytes), "the abandoned receive wrote last"
+    finally:
+        handle.destroy(timeout=10)
+        _kill([p, c])
+
+
 def test_producer_waits_as_long_as_the_consumer(ray_cluster) -> None:
     """A producer with a 1 s transfer timeout serves a consumer that allows 10 s and is frozen for 3 s."""
     p, c = _peers(2)

@@ -162,7 +162,7 @@ def _fetch_group(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: Si
         if waits_for_go(group.backend_name, meta.nbytes):  # the producer sends once our receives are posted
             works.append(group.backend.isend(torch.ones(1, dtype=torch.uint8), ref.rank,
                                              make_tag(TAG_OBJECT, tag_base + n)))
-        _wait_watching_producer(ctx, meta, works, deadline)
+        _wait_watching_producer(ctx, meta, works, deadline, [t for t in site.into if t is not None], bufs)
     except (CollectiveTimeoutError, CommunicationError) as e:
         _receive_failed(ctx, meta, group, e)
     return bufs
@@ -557,7 +557,8 @@ class _RelayReceive:
             hint="the next consumer died or stalled; destroy the group on every member and create it again"))
 
 
-def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadline: float) -> None:
+def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadline: float,
+                            targets: Sequence[torch.Tensor] = (), keep: Any = None) -> None:
     """Wait for posted receives while checking, every half second, that the producer still lives.
 
     A two-sided receive does not notice a sender that dies mid-message (TCP may stay half-open), so without
@@ -567,14 +568,25 @@ def _wait_watching_producer(ctx: Any, meta: ObjectMeta, works: List[Any], deadli
         for w in works:
             w.wait(max(deadline - time.monotonic(), 1e-3))
 
-    _watching_producer(ctx, meta, wait_all)
+    _watching_producer(ctx, meta, wait_all, targets, keep)
 
 
-def _watching_producer(ctx: Any, meta: ObjectMeta, receive: Callable[[], None]) -> None:
+def _watching_producer(ctx: Any, meta: ObjectMeta, receive: Callable[[], None],
+                       targets: Sequence[torch.Tensor] = (), keep: Any = None) -> None:
     """Run ``receive`` (bounded by the fetch's deadline) on a waiter thread, checking every half second that the
-    producer lives: ProducerDiedError at once when it is gone, whatever the receive is blocked on."""
+    producer lives: ProducerDiedError at once when it is gone, whatever the receive is blocked on.
+
+    A posted receive cannot be taken back: when this raises before ``receive`` ended (the producer was declared
+    dead, or an interrupt), the caller's ``targets`` stay marked busy, and ``keep`` (the pooled buffers it lands
+    in) alive, until it ends, at the latest at the fetch's deadline."""
     future = ctx.waiters.submit(receive)
-    while not futures_wait([future], timeout=0.5).done:
-        if not producer_alive(ctx, meta, ping_timeout=0.5):
-            raise died(meta, ConnectionError("the producer died during the transfer"))
+    try:
+        while not futures_wait([future], timeout=0.5).done:
+            if not producer_alive(ctx, meta, ping_timeout=0.5):
+                raise died(meta, ConnectionError("the producer died during the transfer"))
+    except BaseException:
+        if not future.done():
+            hold = ctx.busy_targets.mark(list(targets), f"a receive of {meta.describe()} still posted in its group")
+            future.add_done_callback(lambda _f, keep=keep: ctx.busy_targets.clear(hold))
+        raise
     future.result()
