@@ -223,6 +223,8 @@ class Consumer:
             del p["ids"]
         elif case == "count":
             into = list(p.values())[:2]
+        elif case == "alias":  # two different leaves into one tensor's bytes: one would overwrite the other
+            p["layer.0.bias"] = p["layer.0.weight"].view(64, 512)
         try:
             rdt.get(refs[0], into=into, timeout=30)
             return {"error": None}
@@ -233,7 +235,10 @@ class Consumer:
     def load_tied(self, refs: List[Any]) -> bool:
         a, b = torch.zeros(N), torch.zeros(N)
         value = rdt.get(refs[0], into={"embed": a, "lm_head": b})
-        return value["embed"] is a and value["lm_head"] is b and bool((a == 5).all()) and bool((b == 5).all())
+        separate = value["embed"] is a and value["lm_head"] is b and bool((a == 5).all()) and bool((b == 5).all())
+        one = torch.zeros(N)  # leaves tied in the producer may share one target too: the same bytes land twice
+        value = rdt.get(refs[0], into={"embed": one, "lm_head": one})
+        return separate and value["embed"] is one and value["lm_head"] is one and bool((one == 5).all())
 
     def load_many(self, refs: List[Any], n: int) -> Dict[str, Any]:
         GateTransport.expected = n
@@ -469,6 +474,10 @@ def test_into_a_state_dict_takes_the_keys_fast_path_and_still_refuses_every_mism
     refused(wrong_dtype, "['model.layers.3.w']", "float64")
     missing = {k: torch.zeros_like(v) for k, v in want.items() if k != "model.layers.11.w"}
     refused(missing, "['model.layers.11.w']", "partial into is refused")
+    shared = {k: torch.zeros_like(v) for k, v in want.items()}
+    block = torch.zeros(4 * 33)
+    shared["model.layers.0.w"], shared["model.layers.1.w"] = block[:128].view(4, 32), block.view(4, 33)
+    refused(shared, "['model.layers.0.w']", "['model.layers.1.w']", "share bytes")
 
 
 def test_into_in_the_producer_copies(actors) -> None:
@@ -476,7 +485,7 @@ def test_into_in_the_producer_copies(actors) -> None:
     assert ray.get(p.self_into.remote([p.shm.remote(4.0)]), timeout=60)
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "contiguity", "partial", "count"])
+@pytest.mark.parametrize("case", ["shape", "dtype", "contiguity", "partial", "count", "alias"])
 def test_into_mismatch_refused_before_any_byte(actors, case: str) -> None:
     p, c = actors
     out = ray.get(c.load_bad.remote([p.shm.remote(1.0)], case), timeout=60)
@@ -485,6 +494,8 @@ def test_into_mismatch_refused_before_any_byte(actors, case: str) -> None:
         assert "['layer.0.bias']" in out["msg"], out["msg"]
     if case == "dtype":
         assert "['ids']" in out["msg"] and "int64" in out["msg"] and "int32" in out["msg"], out["msg"]
+    if case == "alias":  # before: accepted, and both leaves came back as one tensor holding one of them
+        assert "['layer.0.weight']" in out["msg"] and "['layer.0.bias']" in out["msg"], out["msg"]
     assert "Fix:" in out["msg"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .._objects.flatten import flat_keys, leaf_from_buffer, unflatten
@@ -140,6 +141,7 @@ def targets_for(meta: ObjectMeta, into: Any) -> Tuple[Any, List[List[torch.Tenso
     for i in range(n):
         tensors.append([_check(meta, specs.shape[i], dtypes[specs.dtype[i]], specs.names[specs.dtype[i]], t,
                                paths[i]) for t in found[i]])
+    _refuse_shared_bytes(meta, tensors, paths)
     value = _substitute(shape, into) if structural else unflatten(meta.skeleton, [found[i][0] for i in range(n)])
     return value, tensors, paths
 
@@ -159,8 +161,47 @@ def _flat_dict_targets(meta: ObjectMeta, into: Any) -> Optional[Tuple[Any, List[
     paths = [f"[{k!r}]" for k in keys]
     tensors = [[_check(meta, shape, dtypes[d], specs.names[d], t, where)]
                for shape, d, t, where in zip(specs.shape, specs.dtype, picked, paths)]
+    _refuse_shared_bytes(meta, tensors, paths)
     value = OrderedDict(zip(keys, picked)) if meta.skeleton[4:5] == b"O" else dict(zip(keys, picked))
     return value, tensors, paths
+
+
+def _refuse_shared_bytes(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tensor]], paths: Sequence[str]) -> None:
+    """IntoMismatchError when the targets of two leaves share bytes the object does not share the same way (one
+    leaf's bytes would overwrite the other's, and both would come back as one tensor). Targets of leaves tied in
+    the producer (one buffer, the same relative place) may share: the same bytes land twice."""
+    flat = [(t, i) for i, ts in enumerate(tensors) for t in ts if t.numel()]
+    if len(flat) < 2:
+        return
+    starts = np.fromiter((t.data_ptr() for t, _ in flat), np.uint64, len(flat))
+    ends = starts + np.fromiter((t.nbytes for t, _ in flat), np.uint64, len(flat))
+    order = np.argsort(starts, kind="stable")
+    if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
+        return  # no two targets share a byte (addresses are unique across devices: CUDA's unified addressing)
+    spans = sorted((t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + t.nbytes, i) for t, i in flat)
+    specs = meta.specs
+    reach = spans[0]
+    for span in spans[1:]:
+        if span[:2] == reach[:2] and span[2] < reach[3] and not (span[4] == reach[4] and span[2] == reach[2]) \
+                and not _same_source(specs, reach[4], span[4], reach[2], span[2], tensors[span[4]][0].element_size()):
+            a, b = sorted((reach[4], span[4]))
+            what = f"the targets of {paths[a]} and {paths[b]}" if a != b else f"two targets of {paths[a]}"
+            raise IntoMismatchError(
+                f"{meta.describe()}: {what} share bytes, but the object's bytes there differ: one would overwrite "
+                "the other", object_id=meta.id_hex,
+                hint="give each leaf its own tensor (leaves tied in the producer, e.g. embed and lm_head, may share "
+                     "one)")
+        if span[:2] != reach[:2] or span[3] > reach[3]:
+            reach = span
+
+
+def _same_source(specs: Any, i: int, j: int, at_i: int, at_j: int, itemsize: int) -> bool:
+    """Whether leaves ``i`` and ``j`` lie in one producer buffer, densely, as far apart as their targets do (at
+    ``at_i`` and ``at_j``): then the bytes both land in agree."""
+    b = specs.buffer[i]
+    return (b >= 0 and b == specs.buffer[j] and specs.dtype[i] == specs.dtype[j]
+            and _dense(specs.shape[i], specs.stride[i]) and _dense(specs.shape[j], specs.stride[j])
+            and at_i - at_j == (specs.offset[i] - specs.offset[j]) * itemsize)
 
 
 def _substitute(shape: Any, into: Any) -> Any:
