@@ -480,6 +480,19 @@ def test_into_a_state_dict_takes_the_keys_fast_path_and_still_refuses_every_mism
     refused(shared, "['model.layers.0.w']", "['model.layers.1.w']", "share bytes")
 
 
+def test_refs_fetched_into_the_same_tensors_are_refused_before_any_byte(actors) -> None:
+    """Before: rdt.get([a, b], into=[params, params]) fetched both at once into the same bytes (a mix of the two
+    objects, returned as both values). Refused naming both entries, the targets untouched."""
+    p, _ = actors
+    params = {k: torch.full_like(v, -1) for k, v in _state(0.0).items()}
+    with pytest.raises(rdt.IntoMismatchError, match=r"into\[0\] and into\[1\] share bytes"):
+        rdt.get([p.shm.remote(1.0), p.object_store.remote(2.0)], into=[params, params])
+    assert all(bool((v == -1).all()) for v in params.values())
+    other = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+    one, two = rdt.get([p.shm.remote(1.0), p.object_store.remote(2.0)], into=[params, other])
+    assert one["layer.0.weight"] is params["layer.0.weight"] and float(two["layer.0.weight"][0]) == 2.0
+
+
 def test_into_in_the_producer_copies(actors) -> None:
     p, _ = actors
     assert ray.get(p.self_into.remote([p.shm.remote(4.0)]), timeout=60)

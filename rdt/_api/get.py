@@ -17,7 +17,7 @@ from typing import Any, List, Sequence
 import torch
 
 from .._objects.meta import ObjectMeta
-from ..errors import InvalidArgumentError, TensorInUseError, TransferTimeoutError
+from ..errors import IntoMismatchError, InvalidArgumentError, TensorInUseError, TransferTimeoutError
 
 MAX_PARALLEL = 8  # fetches of one rdt.get([...]) that run at once
 
@@ -82,6 +82,8 @@ def get(refs: Any, *, into: Any = None, timeout: float = 60.0) -> Any:
         raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
                                    hint="pass e.g. timeout=60.0")
     deadline = time.monotonic() + timeout
+    if sum(i is not None for i in intos) > 1:
+        _refuse_shared_across(intos)
     metas = _metas(ref_list, timeout)
     if len(metas) == 1:
         out = [_one(metas[0], intos[0], deadline)]
@@ -139,6 +141,22 @@ class _AsyncFetch:
                 self.hold = _context().busy_targets.mark(
                     _tensors_in(into), "an rdt.get_async whose caller was cancelled (its fetch cannot be stopped; "
                     "it ends within its own timeout)")
+
+
+def _refuse_shared_across(intos: Sequence[Any]) -> None:
+    """IntoMismatchError when the ``into`` entries of two refs share bytes: both objects would land in them at once
+    (the refs are fetched in parallel), leaving a mix of the two."""
+    owner = [(t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, into in enumerate(intos) for t in _tensors_in(into)
+             if t.numel()]
+    owner.sort()
+    reach = None
+    for span in owner:
+        if reach is not None and span[0] < reach[1] and span[2] != reach[2]:
+            a, b = sorted((reach[2], span[2]))
+            raise IntoMismatchError(f"into[{a}] and into[{b}] share bytes: the two refs would land in them at once",
+                                    hint="give each ref its own tensors, or fetch the refs one after another")
+        if reach is None or span[1] > reach[1]:
+            reach = span
 
 
 def _tensors_in(value: Any) -> List[torch.Tensor]:
