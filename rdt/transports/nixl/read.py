@@ -16,6 +16,15 @@ from ..receive import BlockViews, fresh_bytes, padded_offsets
 from .agent import NixlAgent, ParkedRead, agent, release_all
 from .descriptors import NixlInfo, PackedDescs, group_by_mem_type, mem_type_of
 
+def _sync_pinned(block: torch.Tensor) -> None:
+    """Before a READ into a CPU landing block in a process that uses CUDA: if the block is page-locked (UCX may
+    register host memory with CUDA), wait for every device, where a non_blocking copy from an earlier fetch's
+    tensors may still be reading it. Without CUDA initialized here, nothing can be (and nothing is asked)."""
+    if torch.cuda.is_initialized() and block.is_pinned():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+
+
 def _sync_cuda(bufs: List[torch.Tensor], landed: Sequence[torch.device] = ()) -> None:
     """Wait for the current stream of every CUDA device the buffers are on (NIXL moves VRAM outside streams), and
     for every stream of each device in ``landed``: a landing block is reused once the tensors of an earlier fetch
@@ -100,6 +109,8 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
             block = ag.landing.take(ctx, total, on)
         if block is not None:
             landed.append(block.device)
+            if block.device.type == "cpu":
+                _sync_pinned(block)
         for i, o in zip(idx, offsets):
             n = info.descs[i][1]
             if block is not None:
@@ -138,6 +149,8 @@ def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -
     with ag.lock:
         block = ag.landing.take(ctx, max(total, 1), cpu)
     regs: List[Any] = []
+    if block is not None:
+        _sync_pinned(block)
     if block is None:  # too small for a landing block, or the lent bound is reached: registered for this READ
         block = fresh_bytes(ctx, max(total, 1), cpu)
         with ag.lock:
