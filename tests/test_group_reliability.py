@@ -162,15 +162,16 @@ def hold_send_waiters(seconds: float) -> None:
 _KEPT: Dict[str, torch.Tensor] = {}
 
 
-def interrupted_then_other(stuck: List[Any], other: List[Any], nbytes: int) -> Tuple[str, str]:
+def interrupted_then_other(stuck: List[Any], other: List[Any], nbytes: int, relay: bool) -> Tuple[str, str]:
     """(consumer side) fetch ``stuck`` into a target on a thread and interrupt it after 0.5 s (KeyboardInterrupt,
     as Ctrl-C or ray.cancel deliver), then fetch ``other`` into the same target: (the first fetch's error type,
-    "ok" or the second's error). The target stays here for :func:`kept_checksum`."""
+    "ok" or the second's error). The target stays here for :func:`kept_checksum`. ``relay``: the fetch is offered
+    to the producer's chain (a lone consumer is its head, fed by the producer) or not."""
     import ctypes
 
     import rdt
 
-    rdt.configure(relay=False)
+    rdt.configure(relay=relay)
     target = _KEPT["t"] = torch.zeros(nbytes, dtype=torch.uint8)
     first: List[str] = []
 
@@ -198,20 +199,21 @@ def kept_checksum() -> str:
     return fa.checksum(_KEPT["t"])
 
 
-def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_ends(ray_cluster) -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["unchained", "chain-head"])
+def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_ends(ray_cluster, relay: bool) -> None:
     """Before: a gloo fetch into rdt.get(into=) targets whose wait was interrupted left its receives posted on
     the targets, unmarked: a later fetch into them landed at once, and the abandoned receive overwrote it when
     the producer's data came (the targets held the abandoned object's bytes). The later fetch now waits until
     the receive ended, then lands."""
     p, c = _peers(2)
-    name = "rel-interrupted"
+    name = f"rel-interrupted-{relay}"
     handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
     nbytes = 32 * MiB  # large: the data leaves once the consumer said its receives are posted, on a send waiter
     try:
         stuck, other = p.make_gloo.remote(21, nbytes), p.make_shm.remote(22, nbytes)
         assert len(ray.wait([stuck, other], num_returns=2, timeout=60)[0]) == 2
         assert _call(p, hold_send_waiters, 3.0)[0] is None
-        err, value, _ = _call(c, interrupted_then_other, [stuck], [other], nbytes)
+        err, value, _ = _call(c, interrupted_then_other, [stuck], [other], nbytes, relay)
         assert err is None, err
         assert value[0] == "KeyboardInterrupt" and value[1] == "ok", value
         time.sleep(4.0)  # the held sends went out by now: had the receive not been waited for, it landed since

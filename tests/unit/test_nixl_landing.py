@@ -352,3 +352,41 @@ def test_out_of_memory_gives_up_the_idle_blocks_and_tries_again(agents, monkeypa
     del got
     for e in (big, small):
         nixl_export.release(producer, e)
+
+
+def test_an_into_target_registration_serves_only_the_storage_it_was_made_for(agents):
+    """Before: the consumer's into= registrations were found by (memory type, device, address, bytes) alone, so a
+    new storage at the address of one that freed its memory but lives on (``resize_(0)``, as FSDP frees
+    parameters) reused the old registration, which on RDMA pins the old pages (the READ lands there, not in the
+    target). Two storage objects over the same memory stand for that here: each gets its own registration, the
+    stale one undone once, and the bytes land."""
+    import numpy as np
+
+    producer, consumer = agents
+    entry = _export(producer, torch.full((MiB // 4,), 9.0))
+    memory = np.zeros(MiB, dtype=np.uint8)
+    first = torch.from_numpy(memory)
+    second = torch.from_numpy(memory)  # another storage object at the same address and size
+    assert first.untyped_storage() is not second.untyped_storage() and first.data_ptr() == second.data_ptr()
+    table = consumer.nixl.targets
+    undone: List[Any] = []
+    real = consumer.nixl.agent.deregister_memory
+
+    def counting(reg: Any) -> Any:
+        undone.append(reg)
+        return real(reg)
+
+    consumer.nixl.agent.deregister_memory = counting
+    nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[first])
+    assert table.made == 1
+    memory[:] = 0
+    nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[second])
+    assert table.made == 2 and len(undone) == 1  # a registration of its own; the first one's undone
+    assert torch.equal(second.view(torch.float32), torch.full((MiB // 4,), 9.0))
+    del first
+    gc.collect()
+    _drain(consumer)
+    with consumer.nixl.lock:
+        table.drain()
+    assert len(undone) == 1 and len(table) == 1  # the first storage's death undoes nothing twice
+    nixl_export.release(producer, entry)

@@ -200,7 +200,8 @@ def _fetch_chained(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: 
                                object_id=meta.id_hex)
     landing_ = _ChainLanding(ctx, site, meta.buffers.sizes, direct=source == ref.rank)
     receive = _RelayReceive(ctx, meta, group, ref, landing_, cid, deadline)
-    _watching_producer(ctx, meta, lambda: receive.run(source, position, tag_base))
+    _watching_producer(ctx, meta, lambda: receive.run(source, position, tag_base),
+                       [t for t in site.into if t is not None], landing_)
     return landing_.result()
 
 
