@@ -218,6 +218,11 @@ class Consumer:
     def targets_now(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.targets.items()}
 
+    def swap_target_data(self, name: str, dtype: str) -> None:
+        """``param.data = param.data.to(dtype)``: the same tensor object, another dtype and size, new storage."""
+        t = self.targets[name]
+        t.data = t.data.to(getattr(torch, dtype))
+
     def move_targets(self) -> None:
         """Every target onto new storage (same tensor objects, new data pointers), filled with -1."""
         for t in self.targets.values():

@@ -101,6 +101,26 @@ def test_a_replay_reuses_its_threads_and_follows_moved_targets(trainers, consume
     assert all(set(t) <= set(a) and len(a) <= len(trainers) for t, a in zip(threads, after)), (threads, after)
 
 
+def test_a_target_swapped_for_another_dtype_is_refused_before_a_replay_writes_past_it(trainers):
+    """Before: a replay recomputed a moved target's addresses but not its size, so ``param.data = param.data.to(
+    torch.bfloat16)`` (half the bytes) had the next load write past the new storage's end. Refused naming the
+    target, before a byte moves; swapped back, loads go on."""
+    c = Consumer.remote(0, TP)
+    try:
+        first = _manifest(trainers, "shm")
+        _check(ray.get(c.load.remote(first)), 0, first.version)
+        ray.get(c.swap_target_data.remote("qkv", "bfloat16"))
+        err = ray.get(c.try_load.remote(_manifest(trainers, "shm")))
+        assert err.startswith("InvalidArgumentError") and "target 'qkv' changed" in err, err
+        ray.get(c.swap_target_data.remote("qkv", "float32"))
+        manifest = _manifest(trainers, "shm")
+        out = ray.get(c.load.remote(manifest))
+        _check(out, 0, manifest.version)
+        assert not out["report"].planned
+    finally:
+        ray.kill(c)
+
+
 @pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
 def test_nixl_reads_the_ranges(trainers, consumers):
     outs = _load(consumers, _manifest(trainers, "nixl"))

@@ -91,13 +91,30 @@ class _Plan:
     pulls: List[_Pulls]
     keep: List[torch.Tensor]
     nbytes: int
+    names: List[str] = field(default_factory=list)  # the wants' names, as keep
     addrs: Optional[np.ndarray] = None
     ptrs: List[int] = field(default_factory=list)  # the targets' data pointers, as addrs (compared as a list)
+    sizes: List[int] = field(default_factory=list)  # the targets' bytes when planned (every run fits in them)
     dst_addrs: List[np.ndarray] = field(default_factory=list)
 
     def destinations(self) -> List[np.ndarray]:
-        """Per rank, each run's destination address; recomputed only when a target's data pointer changed."""
+        """Per rank, each run's destination address; recomputed only when a target's data pointer changed. A target
+        that no longer has the bytes it was planned with (``param.data`` swapped for another dtype or shape, a
+        ``resize_``) or is no longer contiguous CPU memory is refused (InvalidArgumentError) before a byte moves:
+        the runs would land past its end."""
         ptrs = list(map(torch.Tensor.data_ptr, self.keep))
+        sizes = [t.nbytes for t in self.keep]
+        if not self.sizes:
+            self.sizes = sizes
+        if sizes != self.sizes or (ptrs != self.ptrs and self.ptrs):
+            for name, t, n in zip(self.names, self.keep, self.sizes):
+                if t.nbytes != n or not t.is_contiguous() or t.device.type != "cpu":
+                    raise InvalidArgumentError(
+                        f"target {name!r} changed since it was wanted: it is {t.nbytes} bytes "
+                        f"{'' if t.is_contiguous() else 'non-contiguous '}{t.dtype} on {t.device}, it was {n} bytes "
+                        "of contiguous CPU memory; nothing was moved",
+                        hint="want the parameter's current tensor in a new rdt.WeightLoader (its dtype or shape "
+                             "changed, e.g. param.data was swapped)")
         if self.addrs is None or ptrs != self.ptrs:
             addrs = np.array(ptrs, dtype=np.uint64)
             self.dst_addrs = [addrs[p.target] + p.dst.astype(np.uint64) for p in self.pulls]
@@ -270,7 +287,7 @@ def _new_plan(wants: List[_Want], manifest: Manifest) -> _Plan:
         p.used = tuple(np.unique(p.target).tolist())
         p.nbytes = int(p.n.sum())
     keep = [w.landing if w.landing is not None else w.target for w in wants]
-    return _Plan(manifest.layout_key, pulls, keep, sum(p.nbytes for p in pulls))
+    return _Plan(manifest.layout_key, pulls, keep, sum(p.nbytes for p in pulls), [w.name for w in wants])
 
 
 class _Readers(TransportState):
