@@ -118,6 +118,7 @@ class _AsyncFetch:
         self.lock = threading.Lock()
         self.started = self.ended = self.abandoned = False
         self.hold: Any = None
+        self.storages: List[Any] = []  # the targets' memory while the abandoned fetch may land in it
 
     def __call__(self) -> Any:
         with self.lock:
@@ -129,7 +130,7 @@ class _AsyncFetch:
         finally:
             with self.lock:
                 self.ended = True
-                hold, self.hold = self.hold, None
+                hold, self.hold, self.storages = self.hold, None, []
             if hold is not None:
                 _context().busy_targets.clear(hold)
 
@@ -138,9 +139,11 @@ class _AsyncFetch:
             if not self.started:
                 self.abandoned = True
             elif not self.ended:
+                targets = _tensors_in(into)
                 self.hold = _context().busy_targets.mark(
-                    _tensors_in(into), "an rdt.get_async whose caller was cancelled (its fetch cannot be stopped; "
+                    targets, "an rdt.get_async whose caller was cancelled (its fetch cannot be stopped; "
                     "it ends within its own timeout)")
+                self.storages = [t.untyped_storage() for t in targets]  # not freed if param.data is swapped
 
 
 def _refuse_shared_across(intos: Sequence[Any]) -> None:

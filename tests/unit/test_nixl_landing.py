@@ -9,6 +9,7 @@ import gc
 import secrets
 import threading
 import time
+import weakref
 from typing import Any, Callable, List
 
 import pytest
@@ -254,7 +255,7 @@ def test_an_error_while_a_read_is_in_flight_parks_it_like_a_timeout(monkeypatch)
 
 def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends(monkeypatch):
     """The same with rdt.get(into=): the caller's target is marked busy (a later fetch into it waits) until the
-    interrupted READ ended, and then holds the bytes it landed."""
+    interrupted READ ended, and its memory lives until then even if the caller swaps the parameter's storage."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     producer, consumer = BareContext(), BareContext()
     try:
@@ -282,10 +283,15 @@ def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends
         monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
         busy = consumer.nixl.busy
         assert len(busy) == 1 and busy.wait_free([target], 0.2)  # still held: a fetch into it would wait
+        memory = weakref.ref(target.untyped_storage())
+        target.data = torch.zeros(1)  # the caller swaps its parameter's storage: the READ's memory must live on
+        gc.collect()
+        assert memory() is not None
         stall.set()
         holder.join(10.0)
         assert wait_for(lambda: len(busy) == 0, timeout=20)
-        assert torch.equal(target, state)
+        gc.collect()
+        assert memory() is None  # released with the reaped READ
         nixl_export.release(producer, entry)
     finally:
         for ctx in (producer, consumer):

@@ -264,17 +264,20 @@ class _Guard:
         self.direct = False  # a direct receive was posted
         self.ended = False  # the receiving thread ended: nothing it posted lands any more
         self.hold: Optional[int] = None
+        self.storages: List[Any] = []  # the targets' memory, kept while a direct receive may still land in it
 
     def abandon(self, busy: Any, targets: Any, what: str) -> None:
         with self.lock:  # waits for a scatter in progress: none starts after this returns
             self.abandoned = True
             if self.direct and not self.ended and self.hold is None:
                 self.hold = busy.mark(targets, what)
+                self.storages = [t.untyped_storage() for t in targets]  # param.data swapped meanwhile: not freed
 
     def end(self, busy: Any) -> None:
         with self.lock:
             self.ended = True
             hold, self.hold = self.hold, None
+            self.storages = []
         busy.clear(hold)
 
 

@@ -588,6 +588,7 @@ def _watching_producer(ctx: Any, meta: ObjectMeta, receive: Callable[[], None],
     except BaseException:
         if not future.done():
             hold = ctx.busy_targets.mark(list(targets), f"a receive of {meta.describe()} still posted in its group")
-            future.add_done_callback(lambda _f, keep=keep: ctx.busy_targets.clear(hold))
+            kept = (keep, [t.untyped_storage() for t in targets])  # the memory stays even if param.data is swapped
+            future.add_done_callback(lambda _f, kept=kept: ctx.busy_targets.clear(hold))
         raise
     future.result()

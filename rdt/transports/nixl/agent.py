@@ -69,7 +69,7 @@ class ParkedRead:
 
     handles: List[Any]
     regs: List[Any]
-    keep: List[torch.Tensor]
+    keep: List[Any]  # the tensors the READ lands in, and their storages
     agent: str
     hold: Optional[int]
 

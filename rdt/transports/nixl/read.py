@@ -173,8 +173,10 @@ def _park(ag: NixlAgent, info: NixlInfo, handles: List[Any], regs: List[Any], ke
     only hides when the bytes land) until NIXL says they ended, the caller's targets marked busy meanwhile; what
     to tell the caller about its targets."""
     hold = ag.busy.mark(targets, f"the NIXL READ of {label} from {info.agent}")
+    # the storages too: a caller that swaps param.data meanwhile must not free the memory the READ lands in
+    held = list(keep) + [t.untyped_storage() for t in keep]
     with ag.lock:
-        ag.parked.append(ParkedRead(handles, regs, keep, info.agent, hold))
+        ag.parked.append(ParkedRead(handles, regs, held, info.agent, hold))
     return (f"; it is still in flight and may write into the {len(targets)} into= target(s) until it ends (a later "
             "rdt.get into them waits for it)") if hold is not None else ""
 
