@@ -19,6 +19,7 @@ whoever holds the agent's lock next (the progress thread every few ms, or the ne
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 import weakref
@@ -72,6 +73,9 @@ class LandingPool:
         self._cuda_alias = True  # until torch fails to alias a VRAM block once: then VRAM reads register per read
         self.hits = 0  # fetches that landed in an idle block
         self.made = 0  # blocks registered over the pool's life
+        # VRAM of blocks given up, deregistered: freed by retire() on a fetching thread, after its device finished
+        # what the callers queued on it (never under the agent's lock, never on the progress thread)
+        self._retiring: "collections.deque[torch.Tensor]" = collections.deque()
 
     def take(self, ctx: Any, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
         """A fresh uint8 tensor of ``nbytes`` on ``device`` whose memory is registered with NIXL until the caller
@@ -121,6 +125,8 @@ class LandingPool:
                 raise
             self._idle = [b for b in self._idle if b.tensor.device != device]
             self._drop(idle)
+            if device.type == "cuda":
+                raise  # their VRAM is freed by retire(), outside the agent's lock; the fetch retries then
             tensor = fresh_bytes(ctx, size, device)
         reg = self._owner.agent.register_memory([tensor])
         self.made += 1
@@ -166,22 +172,39 @@ class LandingPool:
         self._drop(drop)
 
     def close(self) -> None:
-        """Deregister every idle block (lent ones go with the agent)."""
+        """Deregister every idle block (lent ones go with the agent); at shutdown no device is waited for."""
         self.drain()
         idle, self._idle = self._idle, []
         self._drop(idle)
+        self._retiring.clear()
 
     def _drop(self, blocks: List[_Block]) -> None:
-        """Deregister ``blocks`` and let their memory go. VRAM goes back to torch's caching allocator, which orders
-        its reuse only after the stream that allocated it: kernels the callers queued on other streams on the
-        tensors that aliased it may still read it, so the device is synchronized first (drops are rare)."""
-        for dev in {b.tensor.device for b in blocks if b.tensor.device.type == "cuda"}:
-            try:
-                torch.cuda.synchronize(dev)
-            except Exception:  # noqa: BLE001 - a broken context: nothing more can run on it
-                pass
+        """Deregister ``blocks`` and let their memory go: CPU memory now, VRAM through :meth:`retire` (torch's
+        caching allocator orders its reuse only after the stream that allocated it, while kernels the callers
+        queued on other streams on the tensors that aliased it may still read it; waiting for the device here,
+        under the agent's lock or on the progress thread, could wait on a collective that needs this agent)."""
         for b in blocks:
             self._deregister(b)
+            if b.tensor.device.type == "cuda":
+                self._retiring.append(b.tensor)
+
+    def retire(self) -> None:
+        """Free the VRAM of given-up blocks once their devices finished what was queued on them. Called by a
+        fetching thread without the agent's lock; cheap when there is none."""
+        if not self._retiring:
+            return
+        tensors = []
+        while True:
+            try:
+                tensors.append(self._retiring.popleft())
+            except IndexError:
+                break
+        for dev in {t.device for t in tensors}:
+            try:
+                torch.cuda.synchronize(dev)
+            except Exception:  # noqa: BLE001 - a broken context: nothing more runs on it
+                pass
+        tensors.clear()
 
     def _deregister(self, block: _Block) -> None:
         try:

@@ -16,6 +16,21 @@ from ..receive import BlockViews, fresh_bytes, padded_offsets
 from .agent import NixlAgent, ParkedRead, agent, release_all
 from .descriptors import NixlInfo, PackedDescs, group_by_mem_type, mem_type_of
 
+def _take_landing(ctx: "Context", ag: NixlAgent, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+    """A landing block for a READ of ``nbytes`` to ``device`` (None: register per read). Out of VRAM, the idle
+    blocks on the device are given up and their memory freed here, outside the agent's lock, then it is tried
+    once more; the VRAM of blocks given up meanwhile is freed here too."""
+    try:
+        with ag.lock:
+            block = ag.landing.take(ctx, nbytes, device)
+    except torch.OutOfMemoryError:
+        ag.landing.retire()
+        with ag.lock:
+            block = ag.landing.take(ctx, nbytes, device)
+    ag.landing.retire()
+    return block
+
+
 def _sync_pinned(block: torch.Tensor) -> None:
     """Before a READ into a CPU landing block in a process that uses CUDA: if the block is page-locked (UCX may
     register host memory with CUDA), wait for every device, where a non_blocking copy from an earlier fetch's
@@ -105,8 +120,7 @@ def _read(ctx: "Context", ag: NixlAgent, info: NixlInfo, device: torch.device,
     landed: List[torch.device] = []
     for on, idx in fresh.items():  # one registered landing block per device, reused once the caller drops it
         offsets, total = padded_offsets([info.descs[i][1] for i in idx])
-        with ag.lock:
-            block = ag.landing.take(ctx, total, on)
+        block = _take_landing(ctx, ag, total, on)
         if block is not None:
             landed.append(block.device)
             if block.device.type == "cpu":
@@ -146,8 +160,7 @@ def _read_block(ctx: "Context", ag: NixlAgent, info: NixlInfo, timeout: float) -
     sizes = descs.sizes if isinstance(descs, PackedDescs) else [n for _, n, _ in descs]
     offsets, total = padded_offsets(sizes)
     cpu = torch.device("cpu")
-    with ag.lock:
-        block = ag.landing.take(ctx, max(total, 1), cpu)
+    block = _take_landing(ctx, ag, max(total, 1), cpu)
     regs: List[Any] = []
     if block is not None:
         _sync_pinned(block)
