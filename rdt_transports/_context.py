@@ -316,9 +316,10 @@ def get_context() -> ProcessContext:
 
 
 def _forget_after_fork() -> None:
-    """A forked child is in none of its parent's groups: it starts with an empty context."""
-    global _process_context
-    _process_context = None
+    """A forked child is in none of its parent's groups: it starts with an empty context, and a fresh lock
+    (another thread of the parent may have held it at the fork)."""
+    global _process_context, _process_context_lock
+    _process_context, _process_context_lock = None, threading.Lock()
 
 
 _lifecycle.at_fork_child(_forget_after_fork)

@@ -102,6 +102,8 @@ def run_exit_hooks() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork: it never releases here
     with _lock:
         _stoppers.clear()  # the parent's: its threads do not exist here, its resources are not ours
         _threads.clear()

@@ -140,6 +140,71 @@ def test_forked_child_starts_fresh_and_leaves_the_parent_intact(tmp_path):
     assert "PARENT_INTACT=True" in out, out + proc.stderr[-2000:]
 
 
+_FORK_WHILE_LOCKED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import rdt_transports._lifecycle as lifecycle
+    import rdt._process.context as rdt_context
+    import rdt_transports._context as rt_context
+    import rdt.transports as transports
+
+    def child_exits(pid, within=10.0):
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status) == 0
+            time.sleep(0.01)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return False
+
+    def fork_while(lock, what):
+        # another thread holds ``lock`` (as a registration, a context under construction or an import does) while
+        # this one forks: the child must still use rdt, then exit
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with lock:
+                held.set()
+                release.wait(10.0)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(10.0)
+        pid = os.fork()
+        if pid == 0:
+            lifecycle.at_exit(lambda: None)
+            rdt_context.get_context()
+            rt_context.get_context()
+            transports.get("shm")
+            os._exit(0)
+        release.set()
+        t.join()
+        ok = child_exits(pid)
+        print(f"{what}={ok}", flush=True)
+        return ok
+
+    ok = all([fork_while(lifecycle._lock, "LIFECYCLE"), fork_while(rdt_context._context_lock, "RDT_CONTEXT"),
+              fork_while(rt_context._process_context_lock, "GROUP_CONTEXT"), fork_while(transports._lock, "TRANSPORTS")])
+    sys.exit(0 if ok else 3)
+    """
+)
+
+
+def test_a_child_forked_while_another_thread_holds_an_rdt_lock_still_works(tmp_path):
+    """Before: a child forked while another thread held one of rdt's process-wide locks (registering an exit
+    stopper, building the context, importing a transport) inherited it held and hung at its first use of rdt
+    (18 of 30 children of a busy parent hung in the lifecycle's fork hook itself). Each lock is now made anew in
+    the child."""
+    script = tmp_path / "fork_locked.py"
+    script.write_text(_FORK_WHILE_LOCKED_SCRIPT)
+    proc = _run([str(script)], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
+    assert all(f"{w}=True" in out for w in ("LIFECYCLE", "RDT_CONTEXT", "GROUP_CONTEXT", "TRANSPORTS")), out
+
+
 _STALLED_STREAM_PRODUCER = textwrap.dedent(
     """
     import secrets, sys

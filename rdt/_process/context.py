@@ -295,9 +295,10 @@ def get_context() -> RdtContext:
 
 
 def _forget_after_fork() -> None:
-    """A forked child holds none of its parent's objects: it starts with a fresh, empty context (made on use)."""
-    global _context
-    _context = None
+    """A forked child holds none of its parent's objects: it starts with a fresh, empty context (made on use),
+    and a fresh lock (another thread of the parent may have held it, building the context, at the fork)."""
+    global _context, _context_lock
+    _context, _context_lock = None, threading.Lock()
 
 
 _lifecycle.at_fork_child(_forget_after_fork)

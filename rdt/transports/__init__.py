@@ -12,6 +12,8 @@ import importlib
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple, Type
 
+from rdt_transports import _lifecycle
+
 from .._control.wire import CORE_MESSAGES, USER_MESSAGES_FROM
 from ..errors import InvalidArgumentError, UnsupportedError
 from .base import Capabilities, Fetched, Ranges, Served, SetupFailed, Site, Transport, Unusable, device_types
@@ -29,6 +31,15 @@ _BUILTIN: Dict[str, Tuple[str, str]] = {  # in the order error messages list the
 }
 
 _lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    """A forked child gets a fresh lock: another thread of the parent may have held it (importing a transport)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+_lifecycle.at_fork_child(_new_lock_after_fork)
 _instances: Dict[str, Transport] = {}
 _user: Dict[str, Transport] = {}
 
