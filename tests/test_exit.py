@@ -147,6 +147,7 @@ _FORK_WHILE_LOCKED_SCRIPT = textwrap.dedent(
     import rdt._process.context as rdt_context
     import rdt_transports._context as rt_context
     import rdt.transports as transports
+    import rdt.transports.cuda_ipc.shares as shares
 
     def child_exits(pid, within=10.0):
         deadline = time.monotonic() + within
@@ -178,6 +179,7 @@ _FORK_WHILE_LOCKED_SCRIPT = textwrap.dedent(
             rdt_context.get_context()
             rt_context.get_context()
             transports.get("shm")
+            shares.visible_devices()
             os._exit(0)
         release.set()
         t.join()
@@ -186,7 +188,8 @@ _FORK_WHILE_LOCKED_SCRIPT = textwrap.dedent(
         return ok
 
     ok = all([fork_while(lifecycle._lock, "LIFECYCLE"), fork_while(rdt_context._context_lock, "RDT_CONTEXT"),
-              fork_while(rt_context._process_context_lock, "GROUP_CONTEXT"), fork_while(transports._lock, "TRANSPORTS")])
+              fork_while(rt_context._process_context_lock, "GROUP_CONTEXT"), fork_while(transports._lock, "TRANSPORTS"),
+              fork_while(shares._uuid_lock, "CUDA_UUIDS")])
     sys.exit(0 if ok else 3)
     """
 )
@@ -202,7 +205,8 @@ def test_a_child_forked_while_another_thread_holds_an_rdt_lock_still_works(tmp_p
     proc = _run([str(script)], timeout=120)
     out = proc.stdout
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
-    assert all(f"{w}=True" in out for w in ("LIFECYCLE", "RDT_CONTEXT", "GROUP_CONTEXT", "TRANSPORTS")), out
+    assert all(f"{w}=True" in out for w in ("LIFECYCLE", "RDT_CONTEXT", "GROUP_CONTEXT", "TRANSPORTS",
+                                                    "CUDA_UUIDS")), out
 
 
 _STALLED_STREAM_PRODUCER = textwrap.dedent(

@@ -45,6 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from rdt_transports import _lifecycle
+
 from ..receive import target_device
 from ..storage_cache import StorageCache
 
@@ -82,6 +84,15 @@ class CudaIpcInfo:
 # ------------------------------------------------------------------------------------------------ devices
 _uuid_cache: Optional[Dict[str, int]] = None
 _uuid_lock = threading.Lock()
+
+
+def _new_uuid_lock_after_fork() -> None:
+    """A forked child gets a fresh lock (another thread of the parent may have held it)."""
+    global _uuid_lock
+    _uuid_lock = threading.Lock()
+
+
+_lifecycle.at_fork_child(_new_uuid_lock_after_fork)
 
 
 def _device_uuid(index: int) -> str:
