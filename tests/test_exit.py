@@ -209,6 +209,51 @@ def test_a_child_forked_while_another_thread_holds_an_rdt_lock_still_works(tmp_p
                                                     "CUDA_UUIDS")), out
 
 
+_KILLED_PRODUCER_WITH_A_CHILD = textwrap.dedent(
+    """
+    import os, signal, socket, sys, time
+    from rdt._control.server import ControlServer
+    from rdt._process.context import get_context
+
+    r, w = os.pipe()
+    producer = os.fork()
+    if producer == 0:  # a producer with a control server forks an idle child (a DataLoader worker), then is killed
+        ctx = get_context()
+        ctx._server = ControlServer("127.0.0.1", ctx._key_for, ctx.control_handlers())
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        os.write(w, f"{ctx._server.address} {child}\\n".encode())
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(w)
+    address, child = os.read(r, 200).decode().split()
+    os.waitpid(producer, 0)
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        print("REFUSED=False", flush=True)
+    except ConnectionRefusedError:
+        print("REFUSED=True", flush=True)
+    except OSError as e:
+        print(f"REFUSED=False ({e})", flush=True)
+    os.kill(int(child), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_producers_control_port_is_refused_although_its_forked_child_lives(tmp_path):
+    """Before: a child the producer forked inherited its control server's listening socket, so once the producer
+    was killed its port still accepted connections while the child lived: a consumer's liveness probe, which
+    counts a refused connection as death, saw a silent producer instead and waited out its deadline. The child
+    now closes the inherited sockets (never shutting them down, which would reach the parent's)."""
+    script = tmp_path / "killed_producer.py"
+    script.write_text(_KILLED_PRODUCER_WITH_A_CHILD)
+    proc = _run([str(script)], timeout=120)
+    assert "REFUSED=True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 _STALLED_STREAM_PRODUCER = textwrap.dedent(
     """
     import secrets, sys

@@ -27,6 +27,17 @@ class ControlClient:
         self._pool: "OrderedDict[str, List[Tuple[socket.socket, float]]]" = OrderedDict()
         self._lock = threading.Lock()
 
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the pooled connections (no shutdown: the parent's
+        stay as they are). Never raises."""
+        pool, self._pool, self._lock = self._pool, OrderedDict(), threading.Lock()
+        for conns in pool.values():
+            for sock, _ in conns:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
     def request(self, address: str, msg_type: int, key_id: int, key: bytes, payload: bytes, timeout: float,
                 alloc: Optional[Alloc] = None) -> Tuple[int, bytes]:
         """Send one request and wait for its answer; raises ConnectionError/TimeoutError/ProtocolError.

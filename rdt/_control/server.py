@@ -340,6 +340,19 @@ class ControlServer:
         sock.setblocking(False)
         return None
 
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the server's sockets (never shut them down, which
+        would reach the parent's), so that the port stops accepting once the parent dies. Never raises."""
+        for sock in [self._sock, self._wake_r, self._wake_w, *self._conns]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            self._sel.close()
+        except (OSError, ValueError):
+            pass
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the selector thread (bounded join), close every connection and the worker pool.
 

@@ -298,7 +298,11 @@ def _forget_after_fork() -> None:
     """A forked child holds none of its parent's objects: it starts with a fresh, empty context (made on use),
     and a fresh lock (another thread of the parent may have held it, building the context, at the fork)."""
     global _context, _context_lock
-    _context, _context_lock = None, threading.Lock()
+    parent, _context, _context_lock = _context, None, threading.Lock()
+    if parent is not None:  # its sockets are the parent's: close our copies (a dead parent's port then refuses)
+        if parent._server is not None:
+            parent._server.forget_in_child()
+        parent.client.forget_in_child()
 
 
 _lifecycle.at_fork_child(_forget_after_fork)
