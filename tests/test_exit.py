@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,52 @@ def test_a_killed_producers_control_port_is_refused_although_its_forked_child_li
     script.write_text(_KILLED_PRODUCER_WITH_A_CHILD)
     proc = _run([str(script)], timeout=120)
     assert "REFUSED=True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+_EXIT_WITH_A_READ_IN_FLIGHT = textwrap.dedent(
+    """
+    import os, secrets, threading, time
+    os.environ["UCX_TLS"] = "tcp"  # a READ moves only while the producer's agent progresses
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+    from tests._bare_context import BareContext
+    from rdt._objects.flatten import flatten
+    from rdt._objects.table import Entry
+    from rdt.transports.nixl import export as nixl_export, read as nixl_read
+
+    producer, consumer = BareContext(), BareContext()
+    entry = Entry(secrets.token_bytes(16), flatten(torch.full((1 << 20,), 3.0)), "nixl")
+    nixl_export.register(producer, entry)
+    info = entry.exports["nixl"][1]
+    nixl_read.read_object(consumer, info, torch.device("cpu"), timeout=30.0)  # connected
+    stall = threading.Event()
+
+    def hold():  # the producer stops progressing: the next READ waits
+        with producer.nixl.lock:
+            stall.wait(120)
+
+    threading.Thread(target=hold, daemon=True).start()
+    time.sleep(0.1)
+    pool = ThreadPoolExecutor(1)  # as rdt.get of several refs and get_async run fetches: joined at exit
+    pool.submit(nixl_read.read_object, consumer, info, torch.device("cpu"), 90.0)
+    time.sleep(0.5)
+    print("EXITING", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not installed")
+def test_exit_does_not_wait_out_a_fetch_in_flight(tmp_path):
+    """Before: a process exiting while a NIXL READ of its waited on a stuck producer sat out the READ's whole
+    timeout (90 s here) in the interpreter's join of the fetching thread. At exit the wait gives up at once (the
+    READ is parked as at a timeout); the exit takes the bounded joins of the stuck threads, seconds."""
+    script = tmp_path / "exit_inflight.py"
+    script.write_text(_EXIT_WITH_A_READ_IN_FLIGHT)
+    start = time.monotonic()
+    proc = _run([str(script)], timeout=150)
+    took = time.monotonic() - start
+    assert proc.returncode == 0 and "EXITING" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert took < 45, f"the exit took {took:.0f} s"
 
 
 _STALLED_STREAM_PRODUCER = textwrap.dedent(

@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rdt_transports import _lifecycle
+
 from ..base import Context
 from ..receive import BlockViews, fresh_bytes, padded_offsets
 from .agent import NixlAgent, ParkedRead, agent, release_all
@@ -215,10 +217,11 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
         deadline = time.monotonic() + timeout
         delay = 1e-5
         while "PROC" in states:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or _lifecycle.exiting():  # at exit: give up now, not at the deadline
                 late = _park(ag, info, handles, regs, keep, targets, label)
                 handles, regs, states = [], [], []
-                raise _Parked(f"NIXL READ from {info.agent} not done within {timeout:.1f}s{late}")
+                why = "the process is exiting" if _lifecycle.exiting() else f"not done within {timeout:.1f}s"
+                raise _Parked(f"NIXL READ from {info.agent}: {why}{late}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
             with ag.lock:
