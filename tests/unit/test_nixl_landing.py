@@ -74,6 +74,37 @@ def _landing(ctx: BareContext) -> LandingPool:
     return ctx.nixl.landing
 
 
+@pytest.fixture
+def tcp_agents(monkeypatch):
+    """A producer and a consumer over UCX TCP, where a READ moves only while the producer's agent progresses."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    producer, consumer = BareContext(), BareContext()
+    yield producer, consumer
+    for ctx in (producer, consumer):
+        if ctx.nixl is not None:
+            ctx.nixl.close()
+
+
+def _stall(producer: BareContext) -> Callable[[], None]:
+    """Stop the producer's agent from progressing (its lock held on a thread); the function that lets it go on."""
+    stall, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with producer.nixl.lock:
+            held.set()
+            stall.wait(20.0)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(10.0)
+
+    def release() -> None:
+        stall.set()
+        holder.join(10.0)
+
+    return release
+
+
 def _drain(ctx: BareContext) -> None:
     with ctx.nixl.lock:
         ctx.nixl.landing.drain()
@@ -163,140 +194,98 @@ def test_small_reads_and_reads_beyond_the_lent_bound_register_per_read(agents):
         nixl_export.release(producer, e)
 
 
-def test_a_timed_out_read_keeps_its_block_until_it_ends(monkeypatch):
+def test_a_timed_out_read_keeps_its_block_until_it_ends(tcp_agents):
     """Over UCX TCP a READ moves only while the producer's agent progresses: holding its lock stalls it."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    producer, consumer = BareContext(), BareContext()
-    try:
-        state = torch.full((2 * MiB,), 5.0)
-        entry = _export(producer, state)
-        first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
-        del first
-        _drain(consumer)
-        pool = _landing(consumer)
-        assert pool.stats()["idle"] == 1
-        stall = threading.Event()
-
-        def hold() -> None:
-            with producer.nixl.lock:
-                stall.wait(20.0)
-
-        holder = threading.Thread(target=hold, daemon=True)
-        holder.start()
-        with pytest.raises(TimeoutError):
-            nixl_read.read_object(consumer, _info(entry), CPU, timeout=0.5)
-        s = pool.stats()
-        assert s["lent"] == 1 and s["idle"] == 0  # the parked READ's block stays out of the pool
-        stall.set()
-        holder.join(10.0)
-        assert wait_for(lambda: not consumer.nixl.parked, timeout=20)  # NIXL said it ended: reaped
-        assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
-        got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
-        assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
-        nixl_export.release(producer, entry)
-    finally:
-        for ctx in (producer, consumer):
-            if ctx.nixl is not None:
-                ctx.nixl.close()
+    producer, consumer = tcp_agents
+    state = torch.full((2 * MiB,), 5.0)
+    entry = _export(producer, state)
+    first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
+    del first
+    _drain(consumer)
+    pool = _landing(consumer)
+    assert pool.stats()["idle"] == 1
+    release = _stall(producer)
+    with pytest.raises(TimeoutError):
+        nixl_read.read_object(consumer, _info(entry), CPU, timeout=0.5)
+    s = pool.stats()
+    assert s["lent"] == 1 and s["idle"] == 0  # the parked READ's block stays out of the pool
+    release()
+    assert wait_for(lambda: not consumer.nixl.parked, timeout=20)  # NIXL said it ended: reaped
+    assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
+    got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
+    nixl_export.release(producer, entry)
 
 
-def test_an_error_while_a_read_is_in_flight_parks_it_like_a_timeout(monkeypatch):
+def test_an_error_while_a_read_is_in_flight_parks_it_like_a_timeout(tcp_agents, monkeypatch):
     """Before: an error raised while a READ was still in flight (a failing state check, an interrupt during the
     wait) released its handles and let its block go back to the pool, where the next fetch could get it while the
     READ still wrote into it (releasing a handle does not stop UCX). It is now parked, as a timed-out READ is."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    producer, consumer = BareContext(), BareContext()
-    try:
-        state = torch.full((2 * MiB,), 6.0)
-        entry = _export(producer, state)
-        first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
-        del first
-        _drain(consumer)
-        pool = _landing(consumer)
-        stall = threading.Event()
+    producer, consumer = tcp_agents
+    state = torch.full((2 * MiB,), 6.0)
+    entry = _export(producer, state)
+    first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
+    del first
+    _drain(consumer)
+    pool = _landing(consumer)
+    release = _stall(producer)
+    real = consumer.nixl.agent.check_xfer_state
+    calls = []
 
-        def hold() -> None:
-            with producer.nixl.lock:
-                stall.wait(20.0)
+    def failing(handle: Any) -> Any:
+        calls.append(handle)
+        if len(calls) == 3:
+            raise RuntimeError("injected: the state check failed")
+        return real(handle)
 
-        holder = threading.Thread(target=hold, daemon=True)
-        holder.start()
-        real = consumer.nixl.agent.check_xfer_state
-        calls = []
-
-        def failing(handle: Any) -> Any:
-            calls.append(handle)
-            if len(calls) == 3:
-                raise RuntimeError("injected: the state check failed")
-            return real(handle)
-
-        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", failing)
-        with pytest.raises(RuntimeError, match="injected"):
-            nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
-        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
-        gc.collect()
-        _drain(consumer)
-        assert consumer.nixl.parked and pool.stats()["lent"] == 1  # the READ may still write: its block stays out
-        remote = consumer.nixl._remotes[_info(entry).agent]
-        assert remote.inflight == 1  # the producer's agent stays loaded until the parked READ is reaped
-        stall.set()
-        holder.join(10.0)
-        assert wait_for(lambda: not consumer.nixl.parked, timeout=20)
-        assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
-        assert remote.inflight == 0
-        got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
-        assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
-        nixl_export.release(producer, entry)
-    finally:
-        for ctx in (producer, consumer):
-            if ctx.nixl is not None:
-                ctx.nixl.close()
+    monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+    monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
+    gc.collect()
+    _drain(consumer)
+    assert consumer.nixl.parked and pool.stats()["lent"] == 1  # the READ may still write: its block stays out
+    remote = consumer.nixl._remotes[_info(entry).agent]
+    assert remote.inflight == 1  # the producer's agent stays loaded until the parked READ is reaped
+    release()
+    assert wait_for(lambda: not consumer.nixl.parked, timeout=20)
+    assert wait_for(lambda: pool.stats()["lent"] == 0 and pool.stats()["idle"] == 1, timeout=10)
+    assert remote.inflight == 0
+    got = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), state) and pool.stats()["made"] == 1
+    nixl_export.release(producer, entry)
 
 
-def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends(monkeypatch):
+def test_an_into_target_of_a_read_interrupted_in_flight_stays_busy_until_it_ends(tcp_agents, monkeypatch):
     """The same with rdt.get(into=): the caller's target is marked busy (a later fetch into it waits) until the
     interrupted READ ended, and its memory lives until then even if the caller swaps the parameter's storage."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    producer, consumer = BareContext(), BareContext()
-    try:
-        state = torch.full((MiB,), 7.0)
-        entry = _export(producer, state)
-        target = torch.zeros(MiB)
+    producer, consumer = tcp_agents
+    state = torch.full((MiB,), 7.0)
+    entry = _export(producer, state)
+    target = torch.zeros(MiB)
+    nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[target.view(torch.uint8)])
+    target.zero_()
+    release = _stall(producer)
+    real = consumer.nixl.agent.check_xfer_state
+
+    def interrupted(handle: Any) -> Any:
+        raise KeyboardInterrupt  # what Ctrl-C or ray.cancel delivers while the caller waits
+
+    monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", interrupted)
+    with pytest.raises(KeyboardInterrupt):
         nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[target.view(torch.uint8)])
-        target.zero_()
-        stall = threading.Event()
-
-        def hold() -> None:
-            with producer.nixl.lock:
-                stall.wait(20.0)
-
-        holder = threading.Thread(target=hold, daemon=True)
-        holder.start()
-        real = consumer.nixl.agent.check_xfer_state
-
-        def interrupted(handle: Any) -> Any:
-            raise KeyboardInterrupt  # what Ctrl-C or ray.cancel delivers while the caller waits
-
-        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0, dests=[target.view(torch.uint8)])
-        monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
-        busy = consumer.nixl.busy
-        assert len(busy) == 1 and busy.wait_free([target], 0.2)  # still held: a fetch into it would wait
-        memory = weakref.ref(target.untyped_storage())
-        target.data = torch.zeros(1)  # the caller swaps its parameter's storage: the READ's memory must live on
-        gc.collect()
-        assert memory() is not None
-        stall.set()
-        holder.join(10.0)
-        assert wait_for(lambda: len(busy) == 0, timeout=20)
-        gc.collect()
-        assert memory() is None  # released with the reaped READ
-        nixl_export.release(producer, entry)
-    finally:
-        for ctx in (producer, consumer):
-            if ctx.nixl is not None:
-                ctx.nixl.close()
+    monkeypatch.setattr(consumer.nixl.agent, "check_xfer_state", real)
+    busy = consumer.nixl.busy
+    assert len(busy) == 1 and busy.wait_free([target], 0.2)  # still held: a fetch into it would wait
+    memory = weakref.ref(target.untyped_storage())
+    target.data = torch.zeros(1)  # the caller swaps its parameter's storage: the READ's memory must live on
+    gc.collect()
+    assert memory() is not None
+    release()
+    assert wait_for(lambda: len(busy) == 0, timeout=20)
+    gc.collect()
+    assert memory() is None  # released with the reaped READ
+    nixl_export.release(producer, entry)
 
 
 def test_the_progress_thread_survives_an_error_and_keeps_giving_blocks_back(agents, monkeypatch):
