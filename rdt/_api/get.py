@@ -149,17 +149,15 @@ class _AsyncFetch:
 def _refuse_shared_across(intos: Sequence[Any]) -> None:
     """IntoMismatchError when the ``into`` entries of two refs share bytes: both objects would land in them at once
     (the refs are fetched in parallel), leaving a mix of the two."""
-    owner = [(t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, into in enumerate(intos) for t in _tensors_in(into)
-             if t.numel()]
-    owner.sort()
-    reach = None
-    for span in owner:
-        if reach is not None and span[0] < reach[1] and span[2] != reach[2]:
-            a, b = sorted((reach[2], span[2]))
+    from .._consumer.receive_into import overlaps
+
+    spans = [((t.device.type, t.device.index or 0), t.data_ptr(), t.data_ptr() + t.nbytes, k)
+             for k, into in enumerate(intos) for t in _tensors_in(into) if t.numel()]
+    for reach, span in overlaps(spans):
+        if span[3] != reach[3]:
+            a, b = sorted((reach[3], span[3]))
             raise IntoMismatchError(f"into[{a}] and into[{b}] share bytes: the two refs would land in them at once",
                                     hint="give each ref its own tensors, or fetch the refs one after another")
-        if reach is None or span[1] > reach[1]:
-            reach = span
 
 
 def _tensors_in(value: Any) -> List[torch.Tensor]:

@@ -9,7 +9,7 @@ case); otherwise (tied weights, views of one storage, another device) it lands i
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -178,20 +178,28 @@ def _refuse_shared_bytes(meta: ObjectMeta, tensors: Sequence[Sequence[torch.Tens
     order = np.argsort(starts, kind="stable")
     if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
         return  # no two targets share a byte (addresses are unique across devices: CUDA's unified addressing)
-    spans = sorted((t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + t.nbytes, i) for t, i in flat)
     specs = meta.specs
-    reach = spans[0]
-    for span in spans[1:]:
-        if span[:2] == reach[:2] and span[2] < reach[3] and not (span[4] == reach[4] and span[2] == reach[2]) \
-                and not _same_source(specs, reach[4], span[4], reach[2], span[2], tensors[span[4]][0].element_size()):
-            a, b = sorted((reach[4], span[4]))
+    for reach, span in overlaps([((t.device.type, t.device.index or 0), t.data_ptr(), t.data_ptr() + t.nbytes, i)
+                                 for t, i in flat]):
+        if not (span[3] == reach[3] and span[1] == reach[1]) \
+                and not _same_source(specs, reach[3], span[3], reach[1], span[1], tensors[span[3]][0].element_size()):
+            a, b = sorted((reach[3], span[3]))
             what = f"the targets of {paths[a]} and {paths[b]}" if a != b else f"two targets of {paths[a]}"
             raise IntoMismatchError(
                 f"{meta.describe()}: {what} share bytes, but the object's bytes there differ: one would overwrite "
                 "the other", object_id=meta.id_hex,
                 hint="give each leaf its own tensor (leaves tied in the producer, e.g. embed and lm_head, may share "
                      "one)")
-        if span[:2] != reach[:2] or span[3] > reach[3]:
+
+
+def overlaps(spans: Sequence[Tuple[Any, int, int, int]]) -> Iterator[Tuple[Tuple[Any, int, int, int], ...]]:
+    """Of byte spans ``(device, start, end, owner)``: each span that starts inside the farthest-reaching earlier
+    one on its device, with that one, as ``(earlier, later)`` (every pair that shares bytes meets one of these)."""
+    reach: Optional[Tuple[Any, int, int, int]] = None
+    for span in sorted(spans, key=lambda sp: (sp[0], sp[1])):
+        if reach is not None and span[0] == reach[0] and span[1] < reach[2]:
+            yield reach, span
+        if reach is None or span[0] != reach[0] or span[2] > reach[2]:
             reach = span
 
 

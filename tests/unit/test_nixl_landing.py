@@ -105,6 +105,17 @@ def _stall(producer: BareContext) -> Callable[[], None]:
     return release
 
 
+def _connected_with_an_idle_block(producer: BareContext, consumer: BareContext, fill: float) -> tuple:
+    """Export 8 MiB of ``fill`` and read it once (the agents connect, a landing block is made and goes idle):
+    (the exported tensor, its entry, the consumer's landing pool)."""
+    state = torch.full((2 * MiB,), fill)
+    entry = _export(producer, state)
+    first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)
+    del first
+    _drain(consumer)
+    return state, entry, _landing(consumer)
+
+
 def _drain(ctx: BareContext) -> None:
     with ctx.nixl.lock:
         ctx.nixl.landing.drain()
@@ -197,12 +208,7 @@ def test_small_reads_and_reads_beyond_the_lent_bound_register_per_read(agents):
 def test_a_timed_out_read_keeps_its_block_until_it_ends(tcp_agents):
     """Over UCX TCP a READ moves only while the producer's agent progresses: holding its lock stalls it."""
     producer, consumer = tcp_agents
-    state = torch.full((2 * MiB,), 5.0)
-    entry = _export(producer, state)
-    first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
-    del first
-    _drain(consumer)
-    pool = _landing(consumer)
+    state, entry, pool = _connected_with_an_idle_block(producer, consumer, 5.0)
     assert pool.stats()["idle"] == 1
     release = _stall(producer)
     with pytest.raises(TimeoutError):
@@ -222,12 +228,7 @@ def test_an_error_while_a_read_is_in_flight_parks_it_like_a_timeout(tcp_agents, 
     wait) released its handles and let its block go back to the pool, where the next fetch could get it while the
     READ still wrote into it (releasing a handle does not stop UCX). It is now parked, as a timed-out READ is."""
     producer, consumer = tcp_agents
-    state = torch.full((2 * MiB,), 6.0)
-    entry = _export(producer, state)
-    first = nixl_read.read_object(consumer, _info(entry), CPU, timeout=30.0)  # connected, block made
-    del first
-    _drain(consumer)
-    pool = _landing(consumer)
+    state, entry, pool = _connected_with_an_idle_block(producer, consumer, 6.0)
     release = _stall(producer)
     real = consumer.nixl.agent.check_xfer_state
     calls = []
