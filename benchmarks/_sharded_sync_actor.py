@@ -28,8 +28,8 @@ SOAK_CYCLE = MAX_STEPS - 1  # the soak's values: step 0's + (step % SOAK_CYCLE),
 class _IoClock:
     """In an engine: the intervals its threads spend inside rdt's transports moving bytes during a load, so that
     the load's own cost (checks, the plan's replay, address rebasing, threads) is its time outside them. It wraps
-    ``rdt.transports.get``, the loader's whole-fetch fallback and its covering reads' local narrow; ``ok`` is False
-    where this build has neither of the first two."""
+    ``rdt.transports.get``, the range road's whole-fetch fallback and its covering reads' local narrow, and times
+    the version registrations apart; ``ok`` is False where this build lacks the road."""
 
     def __init__(self) -> None:
         self.spans: List[Tuple[float, float]] = []
@@ -37,13 +37,14 @@ class _IoClock:
         self._lock = threading.Lock()
         self.ok = False
         try:
-            import rdt._sharded.load as load_mod
+            import rdt._consumer.cover as cover_mod
+            import rdt._consumer.ranges as ranges_mod
+            import rdt._consumer.versions as versions_mod
             import rdt.transports as transports_mod
         except ImportError:
             return
-        if not (hasattr(transports_mod, "get") and hasattr(load_mod, "_whole")):
-            return
-        get, whole = transports_mod.get, load_mod._whole
+        get, whole, narrow = transports_mod.get, ranges_mod._whole, cover_mod.narrow
+        begin, end = versions_mod.begin, versions_mod.end
         clock = self
 
         class Timed:
@@ -57,16 +58,11 @@ class _IoClock:
                 return getattr(self._inner, name)
 
         transports_mod.get = lambda name: Timed(get(name))  # type: ignore[assignment]
-        load_mod._whole = lambda *a, **k: clock.timed(whole, *a, **k)  # type: ignore[attr-defined]
-        narrow = getattr(load_mod, "_narrow", None)  # a covering read's local narrow: bytes moving, not the plan
-        if narrow is not None:
-            load_mod._narrow = lambda *a, **k: clock.timed(narrow, *a, **k)  # type: ignore[attr-defined]
+        ranges_mod._whole = lambda *a, **k: clock.timed(whole, *a, **k)  # type: ignore[attr-defined]
+        cover_mod.narrow = lambda *a, **k: clock.timed(narrow, *a, **k)  # a covering read's narrow: bytes moving
+        versions_mod.begin = lambda *a, **k: clock.timed_control(begin, *a, **k)
+        versions_mod.end = lambda *a, **k: clock.timed_control(end, *a, **k)
         self.ok = True
-        reads_mod = getattr(load_mod, "reads", None)
-        if reads_mod is not None and hasattr(reads_mod, "begin") and hasattr(reads_mod, "end"):
-            begin, end = reads_mod.begin, reads_mod.end
-            reads_mod.begin = lambda *a, **k: clock.timed_control(begin, *a, **k)
-            reads_mod.end = lambda *a, **k: clock.timed_control(end, *a, **k)
 
     def timed(self, fn: Any, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()

@@ -4,9 +4,10 @@ name and version), so the driver can compare every landed byte against the narro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ray
 import torch
@@ -118,13 +119,14 @@ class Trainer:
                 out[name] = rdt.Layout(SHAPES[name], tuple(start))
         return out
 
-    def publish(self, transport: str = "shm") -> rdt.Shards:
+    def publish(self, transport: str = "shm", keep_versions: int = 0) -> rdt.Shards:
         """Publish this rank's shards as the current version (kept here, as a trainer keeps them to fence them)."""
         if self.mesh is not None:
-            self.published = rdt.put_shards(self.state(), version=self.version, tensor_transport=transport)
+            self.published = rdt.put_shards(self.state(), version=self.version, tensor_transport=transport,
+                                            keep_versions=keep_versions)
         else:
             self.published = rdt.put_shards(self.state(), version=self.version, layouts=self.layouts(),
-                                            rank=self.rank, tensor_transport=transport)
+                                            rank=self.rank, tensor_transport=transport, keep_versions=keep_versions)
         return self.published
 
     def hold_send_threads(self, seconds: float) -> None:
@@ -141,6 +143,25 @@ class Trainer:
     @rdt.tensor_method(tensor_transport="shm")
     def dtensor_state(self) -> Dict[str, Any]:
         return self.state()
+
+
+@contextlib.contextmanager
+def delayed_reads(transport: str, obj_id: bytes, seconds: float) -> Iterator[None]:
+    """In this process: range reads of object ``obj_id`` over ``transport`` start ``seconds`` late (the bytes then
+    move for real), so that a test can act while that read is in flight."""
+    t = rdt.transports.get(transport)
+    inner = type(t).read_ranges
+
+    def read_ranges(ctx: Any, meta: Any, *rest: Any) -> Any:
+        if meta.obj_id == obj_id:
+            time.sleep(seconds)
+        return inner(t, ctx, meta, *rest)
+
+    t.read_ranges = read_ranges  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del t.read_ranges
 
 
 def wants(rank: int, tp: int) -> List[Tuple[str, List[Tuple[str, int, int, int]], int, str]]:
@@ -228,8 +249,82 @@ class Consumer:
         for t in self.targets.values():
             t.set_(torch.full_like(t, -1.0))
 
-    def reader_threads(self) -> List[int]:
-        """The OS thread ids of the loader's reading threads alive now."""
+    def swap_target(self, name: str, how: str) -> None:
+        """Change target ``name`` at the same byte count: "dtype" (float32 bytes seen as int32) or "shape" (the
+        same storage viewed transposed): ``param.data = ...`` as a model surgery might."""
+        t = self.targets[name]
+        t.data = t.data.view(torch.int32) if how == "dtype" else t.data.view(t.shape[::-1])
+
+    def want_more(self, name: str, param: str) -> None:
+        """Want one more target (fresh, filled with -1) receiving ``param`` whole."""
+        t = self.targets[name] = torch.full(SHAPES[param], -1.0)
+        self.loader.want(t, rdt.Region(param), name=name)
+
+    def interrupted_load(self, slow: Any, fast: Any, transport: str, delay: float, after: float,
+                         exc: str = "KeyboardInterrupt") -> Dict[str, Any]:
+        """Load ``slow`` with the read of its rank 1 delayed ``delay`` s, interrupted after ``after`` s by ``exc``
+        raised in this, the loading, thread (as Ctrl-C raises KeyboardInterrupt); then load ``fast`` at once.
+        Returns how each ended, the targets right after the second, and ``delay`` s later."""
+        import signal
         import threading
 
-        return sorted(t.native_id for t in threading.enumerate() if t.name.startswith("rdt-shards"))
+        error = KeyboardInterrupt if exc == "KeyboardInterrupt" else RuntimeError
+
+        def interrupt(_sig: int, _frame: Any) -> None:
+            raise error("injected into the loading thread")
+
+        old = signal.signal(signal.SIGUSR1, interrupt)
+        main = threading.main_thread().ident
+        timer = threading.Timer(after, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        out: Dict[str, Any] = {}
+        with delayed_reads(transport, slow.shards[1].meta.obj_id, delay):
+            timer.start()
+            try:
+                self.loader.load(slow, timeout=30.0)
+                out["first"] = "ok"
+            except BaseException as e:  # noqa: BLE001 - what the injected exception did
+                out["first"] = type(e).__name__
+            finally:
+                timer.cancel()
+                signal.signal(signal.SIGUSR1, old)
+        t0 = time.monotonic()
+        try:
+            self.loader.load(fast, timeout=30.0)
+            out["second"] = "ok"
+        except rdt.RdtError as e:
+            out["second"] = f"{type(e).__name__}: {e}"
+        out["second_s"] = time.monotonic() - t0
+        out["right_after"] = self.targets_now()
+        time.sleep(delay + 0.5)
+        out["later"] = self.targets_now()
+        return out
+
+    def share_during_load(self, source: Any, delay: float, after: float) -> Dict[str, Any]:
+        """Call share() from another thread ``after`` s into a load of ``source`` whose rank 1 read is delayed
+        ``delay`` s: what share() gave (the replica's version, or its error) and whether the load had ended."""
+        import threading
+
+        got: Dict[str, Any] = {}
+        done = threading.Event()
+
+        def share() -> None:
+            time.sleep(after)
+            try:
+                got["version"] = self.loader.share().version
+            except rdt.RdtError as e:
+                got["error"] = f"{type(e).__name__}: {e}"
+            got["load_ended"] = done.is_set()
+
+        sharer = threading.Thread(target=share)
+        with delayed_reads("shm", source.shards[1].meta.obj_id, delay):
+            sharer.start()
+            self.loader.load(source, timeout=30.0)
+            done.set()
+        sharer.join(30.0)
+        return got
+
+    def reader_threads(self) -> List[int]:
+        """The OS thread ids of the range road's reading threads alive now."""
+        import threading
+
+        return sorted(t.native_id for t in threading.enumerate() if t.name.startswith("rdt-ranges"))

@@ -50,6 +50,15 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
 TRANSPORT_MAY_IMPORT = ("rdt.transports.base", "rdt.transports.receive", "rdt.transports.recv_buffers",
                         "rdt.transports.storage_cache", "rdt.transports.busy_targets", "rdt._objects", "rdt._control", "rdt._ray", "rdt.errors")
 
+# What sharded weight sync may import from rdt: it plans (layouts -> runs), keeps versions, replicas and verify, and
+# reads through the consumer's one road for reads (rdt._consumer): never a transport, the registry, the control
+# channel, the Ray seam or the API.
+SHARDED = "rdt._sharded"
+SHARDED_MAY_IMPORT = ("rdt._consumer", "rdt._producer", "rdt._objects", "rdt._process", "rdt.errors", SHARDED)
+# Modules whose imports all stand at the top of the file (optional dependencies excepted: none there today).
+TOP_IMPORTS_ONLY = (SHARDED,)
+OPTIONAL_DEPENDENCIES: Tuple[str, ...] = ()
+
 # The private rdt_transports modules rdt may use besides rdt_transports' public API (modules without a leading
 # underscore): threads and exit/fork hooks, process liveness and owner locks, GIL-free copies, process_vm_readv.
 SHARED_HELPERS = ("rdt_transports._lifecycle", "rdt_transports._proc", "rdt_transports._memcopy",
@@ -62,6 +71,7 @@ class Module:
     path: Path
     is_package: bool
     imports: Dict[str, int] = field(default_factory=dict)  # module imported -> first line
+    late: List[int] = field(default_factory=list)  # lines of imports inside a function or class
 
 
 def _modules(root: Path) -> Dict[str, Module]:
@@ -95,11 +105,23 @@ def _targets(module: Module, node: ast.AST, known: Dict[str, Module]) -> Iterato
 
 def _read_imports(modules: Dict[str, Module]) -> None:
     for m in modules.values():
-        for node in ast.walk(ast.parse(m.path.read_text(), str(m.path))):
+        tree = ast.parse(m.path.read_text(), str(m.path))
+        for scope in ast.walk(tree):
+            if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                m.late += [n.lineno for n in ast.walk(scope) if isinstance(n, (ast.Import, ast.ImportFrom))
+                           and not _optional(n) and n.lineno not in m.late]  # nested scopes: once a line
+        for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for t in _targets(m, node, modules):
                     if t.split(".")[0] in PACKAGES and t != m.name and t in modules:
                         m.imports.setdefault(t, node.lineno)
+
+
+def _optional(node: ast.AST) -> bool:
+    """Whether an import statement names only optional dependencies."""
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return bool(names) and all(n.split(".")[0] in OPTIONAL_DEPENDENCIES for n in names) and not getattr(
+        node, "level", 0)
 
 
 def _within(name: str, entry: str) -> bool:
@@ -171,20 +193,26 @@ class Report:
     transport: List[str]
     core: List[str]
     private: List[str]
+    sharded: List[str] = field(default_factory=list)
+    late: List[str] = field(default_factory=list)
 
     def problems(self) -> int:
         return (len(self.cycles) + len(self.unplaced) + len(self.upward) + len(self.transport) + len(self.core)
-                + len(self.private))
+                + len(self.private) + len(self.sharded) + len(self.late))
 
     def text(self) -> str:
         lines = [f"{self.modules} modules, {self.arrows} import arrows; {len(self.cycles)} cycles, "
                  f"{len(self.upward)} upward imports, {len(self.transport)} transport imports of the core, "
-                 f"{len(self.core)} core imports of a transport, {len(self.private)} private rdt_transports imports, {len(self.unplaced)} modules in no layer"]
+                 f"{len(self.core)} core imports of a transport, {len(self.private)} private rdt_transports imports, "
+                 f"{len(self.sharded)} sharded imports off its road, {len(self.late)} imports inside functions, "
+                 f"{len(self.unplaced)} modules in no layer"]
         lines += [f"cycle: {' <-> '.join(c)}" for c in self.cycles]
         lines += [f"upward: {u}" for u in self.upward]
         lines += [f"transport: {t}" for t in self.transport]
         lines += [f"core: {c}" for c in self.core]
         lines += [f"private: {p}" for p in self.private]
+        lines += [f"sharded: {p}" for p in self.sharded]
+        lines += [f"late: {p}" for p in self.late]
         lines += [f"no layer: {u}" for u in self.unplaced]
         return "\n".join(lines)
 
@@ -194,10 +222,12 @@ def analyse(root: Path = ROOT) -> Report:
     modules = _modules(root)
     _read_imports(modules)
     unplaced = sorted(n for n in modules if layer_of(n) is None)
-    upward, transport, core, private = [], [], [], []
+    upward, transport, core, private, sharded, late = [], [], [], [], [], []
     lowest_core = layer_of("rdt._process.context")
     for m in modules.values():
         mine, own = layer_of(m.name), _transport_of(m.name)
+        if any(_within(m.name, e) for e in TOP_IMPORTS_ONLY):
+            late += [f"{m.path.relative_to(root)}:{line}" for line in m.late]
         for t, line in sorted(m.imports.items()):
             where = f"{m.path.relative_to(root)}:{line} imports {t}"
             theirs = layer_of(t)
@@ -211,11 +241,13 @@ def analyse(root: Path = ROOT) -> Report:
             if m.name.split(".")[0] == "rdt" and t.startswith("rdt_transports.") and t not in SHARED_HELPERS \
                     and any(p.startswith("_") for p in t.split(".")[1:]):
                 private.append(where)
+            if _within(m.name, SHARDED) and t.startswith("rdt") and not any(_within(t, e) for e in SHARDED_MAY_IMPORT):
+                sharded.append(where)
     arrows = sum(len(m.imports) for m in modules.values())
-    return Report(len(modules), arrows, cycles(modules), unplaced, upward, transport, core, private)
+    return Report(len(modules), arrows, cycles(modules), unplaced, upward, transport, core, private, sharded, late)
 
 
-def test_no_cycle_no_upward_import_no_transport_reaching_into_the_core() -> None:
+def test_no_cycle_no_upward_import_no_transport_reaching_into_the_core_sharded_on_the_consumers_road() -> None:
     report = analyse()
     assert report.problems() == 0, report.text()
 
@@ -239,6 +271,8 @@ def test_the_check_sees_what_it_must_refuse(tmp_path: Path) -> None:
         "rdt/transports/nixl/read.py": "from ..shm.transport import y\n",
         "rdt_transports/__init__.py": "",
         "rdt_transports/_context.py": "",
+        "rdt/_sharded/__init__.py": "",
+        "rdt/_sharded/load.py": "from ..transports import base\ndef f():\n    import os\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +286,8 @@ def test_the_check_sees_what_it_must_refuse(tmp_path: Path) -> None:
         "rdt._process.context", "rdt.transports.nixl.read", "rdt.transports.shm.transport"]
     assert [p.split(" imports ")[1] for p in report.private] == ["rdt_transports._context"]
     assert [c.split(" imports ")[1] for c in report.core] == ["rdt.transports.shm.cma"]
+    assert [c.split(" imports ")[1] for c in report.sharded] == ["rdt.transports.base"]
+    assert report.late == ["rdt/_sharded/load.py:3"]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence
@@ -17,6 +16,7 @@ from typing import Any, List, Sequence
 import torch
 
 from .._objects.meta import ObjectMeta
+from .._consumer.jobs import Job, tensors_of
 from ..errors import IntoMismatchError, InvalidArgumentError, TensorInUseError, TransferTimeoutError
 
 MAX_PARALLEL = 8  # fetches of one rdt.get([...]) that run at once
@@ -101,49 +101,13 @@ async def get_async(refs: Any, *, into: Any = None, timeout: float = 60.0) -> An
     ``timeout``), so its ``into`` targets stay marked busy until then and a later fetch into them waits for it.
     """
     loop = asyncio.get_running_loop()
-    run = _AsyncFetch(functools.partial(get, refs, into=into, timeout=timeout))
+    job = Job(_context(), functools.partial(get, refs, into=into, timeout=timeout), _tensors_in(into),
+              "an rdt.get_async")
     try:
-        return await loop.run_in_executor(None, run)
+        return await loop.run_in_executor(None, job)
     except asyncio.CancelledError:
-        run.abandon(into)
+        job.abandon()
         raise
-
-
-class _AsyncFetch:
-    """One ``get_async`` fetch on an executor thread; abandoned by its caller, it fetches nothing if it had not
-    started, else keeps its ``into`` targets marked busy until it ends."""
-
-    def __init__(self, fetch: Any) -> None:
-        self.fetch = fetch
-        self.lock = threading.Lock()
-        self.started = self.ended = self.abandoned = False
-        self.hold: Any = None
-        self.storages: List[Any] = []  # the targets' memory while the abandoned fetch may land in it
-
-    def __call__(self) -> Any:
-        with self.lock:
-            if self.abandoned:  # cancelled before it began: nothing moves
-                return None
-            self.started = True
-        try:
-            return self.fetch()
-        finally:
-            with self.lock:
-                self.ended = True
-                hold, self.hold, self.storages = self.hold, None, []
-            if hold is not None:
-                _context().busy_targets.clear(hold)
-
-    def abandon(self, into: Any) -> None:
-        with self.lock:
-            if not self.started:
-                self.abandoned = True
-            elif not self.ended:
-                targets = _tensors_in(into)
-                self.hold = _context().busy_targets.mark(
-                    targets, "an rdt.get_async whose caller was cancelled (its fetch cannot be stopped; "
-                    "it ends within its own timeout)")
-                self.storages = [t.untyped_storage() for t in targets]  # not freed if param.data is swapped
 
 
 def _refuse_shared_across(intos: Sequence[Any]) -> None:
@@ -161,14 +125,13 @@ def _refuse_shared_across(intos: Sequence[Any]) -> None:
 
 
 def _tensors_in(value: Any) -> List[torch.Tensor]:
-    """Every tensor in ``value`` (an ``into`` argument: a tensor, or dicts, lists and tuples of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
+    """Every target in ``value`` (an ``into`` argument: tensors or numpy arrays, or dicts, lists and tuples of
+    them), as tensors over the same memory."""
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors_in(v)]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_in(v)]
-    return []
+    return tensors_of([value])
 
 
 def wait_tensor_freed(tensor: Any, *, timeout: float = 60.0, poll: float = 0.005) -> None:

@@ -7,6 +7,7 @@ import inspect
 from typing import Any, Callable, Optional, TypeVar
 
 from ..errors import InvalidArgumentError
+from .._producer.produce import check_timeout, check_transport
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -15,27 +16,6 @@ def _transport(name: str) -> Any:
     from .. import transports
 
     return transports.get(name)
-
-
-def _check_transport(transport: Any) -> str:
-    """A transport name this process knows and that may be named (built in, or registered by the user)."""
-    from .. import transports
-
-    name = transport.lower() if isinstance(transport, str) else None
-    known = transports.explicit_names()
-    if name not in known:
-        raise InvalidArgumentError(
-            f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in known)
-            + " (or register yours with rdt.register_transport in every process that makes or reads its objects)"
-        )
-    return name
-
-
-def _check_timeout(timeout: Optional[float]) -> Optional[float]:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
-                                   hint="pass e.g. timeout=30.0, or None for the consumer's transfer_timeout")
-    return None if timeout is None else float(timeout)
 
 
 def _produce(value: Any, transport: str, snapshot: bool, timeout: Optional[float], num_returns: int,
@@ -69,8 +49,8 @@ def tensor_method(
     """
     if callable(tensor_transport):  # used as @rdt.tensor_method without parentheses
         raise InvalidArgumentError("tensor_method needs arguments", hint='write @rdt.tensor_method(tensor_transport="gloo")')
-    transport = _check_transport(tensor_transport)
-    seconds = _check_timeout(timeout)
+    transport = check_transport(tensor_transport)
+    seconds = check_timeout(timeout)
     if not isinstance(ipc_map, bool):
         raise InvalidArgumentError(f"ipc_map must be True or False, got {ipc_map!r}", hint="pass ipc_map=True")
     if ipc_map and transport != "auto" and not _transport(transport).capabilities.can_map:
@@ -124,8 +104,8 @@ def put(value: Any, tensor_transport: str = "auto", *, snapshot: bool = False, t
     """Inside an actor: an ObjectRef whose tensors stay in this actor (like ray.put, out of band)."""
     import ray
 
-    transport = _check_transport(tensor_transport)
-    seconds = _check_timeout(timeout)
+    transport = check_transport(tensor_transport)
+    seconds = check_timeout(timeout)
     try:
         in_actor = ray.get_runtime_context().get_actor_id() is not None
     except Exception:

@@ -55,16 +55,12 @@ def leaf_paths(meta: ObjectMeta) -> Tuple[Any, List[str]]:
     return shape, [found.get(i, f"<leaf {i}>") for i in range(len(meta.specs))]
 
 
-def _as_tensor(x: Any) -> Optional[torch.Tensor]:
+def as_tensor(x: Any) -> Optional[torch.Tensor]:
+    """A target as a tensor over the same memory (a numpy array wrapped without a copy); None for anything else."""
     if isinstance(x, torch.Tensor):
         return x
-    try:
-        import numpy as np
-
-        if isinstance(x, np.ndarray):
-            return torch.from_numpy(x)
-    except ImportError:  # pragma: no cover - numpy ships with torch
-        pass
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
     return None
 
 
@@ -233,7 +229,7 @@ def _check(meta: ObjectMeta, shape: Tuple[int, ...], dtype: Optional[torch.dtype
            where: str) -> torch.Tensor:
     """``t`` as a torch tensor, if it fits a leaf of ``shape`` and ``dtype``; else IntoMismatchError naming
     ``where``."""
-    tt = _as_tensor(t)
+    tt = as_tensor(t)
     if tt is None:
         raise IntoMismatchError(f"{where}: the target is a {type(t).__name__}, not a tensor",
                                 object_id=meta.id_hex, hint=_HINT)
@@ -321,7 +317,7 @@ def fill(meta: ObjectMeta, buffers: Sequence[torch.Tensor], tensors: Sequence[Se
 def copy_leaves(leaves: Sequence[Any], tensors: Sequence[Sequence[torch.Tensor]]) -> None:
     """In the producer itself: copy its own leaves into the targets."""
     for leaf, targets in zip(leaves, tensors):
-        src = _as_tensor(leaf)
+        src = as_tensor(leaf)
         if src is None:  # cupy
             src = torch.as_tensor(leaf)
         for t in targets:

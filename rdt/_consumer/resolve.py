@@ -19,12 +19,13 @@ import torch
 import rdt_transports
 
 from . import receive_into as _into
+from .jobs import wait_free
 from .. import transports
 from .._objects.flatten import unflatten
 from .._objects.meta import ObjectMeta
 from .._control.peer import died, freed, probe, unreachable
 from .._ray.runtime import called_by_ray_get, in_actor, node_id, task_id
-from ..errors import (IntoBusyError, NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError,
+from ..errors import (NoCollectiveGroupError, ObjectFetchError, ObjectFreedError, TransferTimeoutError,
                       UnsupportedError)
 from ..transports import Fetched, SetupFailed, Site, Transport
 from ..transports import receive
@@ -76,10 +77,10 @@ def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
 
     Everything is checked before a byte moves; transports that receive into given buffers land the bytes straight
     in the targets, the rest (and cross-device or shared-storage leaves) are copied in. Nothing moves either while
-    an earlier failed fetch may still write into the targets (:func:`_targets_free`).
+    an earlier failed fetch may still write into the targets (``jobs.wait_free``).
     """
     value, tensors, _paths = _into.targets_for(meta, into)
-    timeout = _targets_free(ctx, meta, tensors, timeout)
+    timeout = wait_free(ctx, (t for ts in tensors for t in ts), timeout, meta.describe(), meta.id_hex)
     if ctx.is_me(meta.producer):
         entry = ctx.table.get(meta.obj_id)
         leaves = entry.flat.leaves if entry is not None else ctx.table.get_weak(meta.obj_id)
@@ -93,24 +94,6 @@ def resolve_into(ctx: Any, meta: ObjectMeta, into: Any, timeout: float) -> Any:
     _into.fill(meta, fetched.buffers, tensors, plan)
     ctx.stats.add(name, "in", meta.nbytes, time.monotonic() - start, path=fetched.label)
     return value
-
-
-def _targets_free(ctx: Any, meta: ObjectMeta, tensors: List[List[torch.Tensor]], timeout: float) -> float:
-    """Wait, at most ``timeout``, until no earlier fetch that failed may still write into the targets (a timed-out
-    NIXL READ lands when it ends: otherwise it would overwrite this fetch's bytes); the time left. Raises
-    IntoBusyError naming what still writes into them."""
-    start = time.monotonic()
-    holds = ctx.busy_targets.wait_free((t for ts in tensors for t in ts), timeout)
-    if not holds:
-        return max(timeout - (time.monotonic() - start), 1e-3)
-    first = holds[0]
-    more = f" (and {len(holds) - 1} more)" if len(holds) > 1 else ""
-    raise IntoBusyError(
-        f"{meta.describe()}: the into= targets are still being written by {first.what}{more}, which failed for "
-        f"its caller {time.monotonic() - first.since:.1f}s ago and is still in flight (it cannot be cancelled); waited "
-        f"{time.monotonic() - start:.1f}s, nothing was moved", object_id=meta.id_hex,
-        hint="fetch into other tensors (or without into=) meanwhile, or retry later: that READ ends when its producer "
-             "serves it or dies (kill a stuck producer and it fails at once, leaving the targets free)")
 
 
 _NOWHERE = Site(same_node=False, in_actor=False, task_argument=False)  # for self-contained objects: no lookups
@@ -169,6 +152,9 @@ def _unfit(ctx: Any, t: Transport, meta: ObjectMeta, site: Site,
     return None
 
 
+TYPED = (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError)  # rdt's: passed through
+
+
 def fetch_buffers(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tensor], ...] = (),
           timeout: Optional[float] = None, task_argument: Optional[bool] = None) -> Tuple[Fetched, str]:
     """The object's buffers in this process, and the name of the transport that served them."""
@@ -191,26 +177,34 @@ def fetch_buffers(ctx: Any, meta: ObjectMeta, *, into: Tuple[Optional[torch.Tens
                 continue
             raise ObjectFetchError(f"fetching {meta.describe()} over {t.name} could not set up: {e}",
                                    object_id=meta.id_hex) from e
-        except (ObjectFetchError, ObjectFreedError, NoCollectiveGroupError, UnsupportedError):
+        except TYPED:
             raise
-        except TimeoutError as e:
-            via = site.groups.get(t.name)
-            where = f" in group {via[1].name!r}" if via is not None else ""
-            raise TransferTimeoutError(
-                f"fetching {meta.describe()} over {t.name}{where} did not finish within {timeout:.1f}s: {e}",
-                object_id=meta.id_hex,
-                hint="the producer (or its link) may be dead or stuck: destroy the group and re-form it once the "
-                     "producer is reachable; raise rdt.configure(transfer_timeout=...) for huge objects",
-            ) from e
-        except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets)
-            state, why = probe(ctx, meta)
-            if state == "dead":
-                raise died(meta, e) from e
-            if state == "silent":
-                raise unreachable(meta, f"the {t.name} fetch", e, why) from e
-            raise ObjectFetchError(f"fetching {meta.describe()} over {t.name} failed: {type(e).__name__}: {e}",
-                                   object_id=meta.id_hex) from e
+        except Exception as e:  # anything a transport library raised (NIXL, Gloo, sockets), or its own timeout
+            raise relabel(ctx, meta, t.name, site, e, timeout, "fetching") from e
     raise AssertionError("unreachable: the chain is never empty")
+
+
+def relabel(ctx: Any, meta: ObjectMeta, name: str, site: Site, e: BaseException, timeout: float,
+            what: str) -> Exception:
+    """The typed error for transport ``name``'s failure ``e`` while ``what`` (e.g. "fetching") ``meta``: a timeout
+    names the group and the time, otherwise the producer is probed (dead, silent, or the failure as it was)."""
+    if isinstance(e, TimeoutError):
+        via = site.groups.get(name)
+        where = f" in group {via[1].name!r}" if via is not None else ""
+        return TransferTimeoutError(
+            f"{what} {meta.describe()} over {name}{where} did not finish within {timeout:.1f}s: {e}",
+            object_id=meta.id_hex,
+            hint="the producer (or its link) may be dead or stuck: destroy the group and re-form it once the "
+                 "producer is reachable; raise rdt.configure(transfer_timeout=...) or timeout= for huge objects. A "
+                 "transfer that timed out may still land: its targets stay busy until it ends, and the next fetch "
+                 "into them waits for it")
+    state, why = probe(ctx, meta)
+    if state == "dead":
+        return died(meta, e)
+    if state == "silent":
+        return unreachable(meta, f"the {name} fetch", e, why)
+    return ObjectFetchError(f"{what} {meta.describe()} over {name} failed: {type(e).__name__}: {e}",
+                            object_id=meta.id_hex)
 
 
 def _self_contained(meta: ObjectMeta) -> Optional[Transport]:

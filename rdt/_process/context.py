@@ -37,6 +37,8 @@ from .stats import Stats, local_stats, publish, unpublish
 from .tokens import TokenPool
 from .versions import Versions
 
+State = TransportState  # what the context holds by name: each transport's state, and the roles' (see transport_state)
+
 logger = logging.getLogger("rdt")
 
 SEND_WAITERS = 16  # threads a producer waits on object sends with, at most

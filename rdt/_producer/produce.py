@@ -17,9 +17,29 @@ from .._objects.flatten import Flattened, flatten
 from .._objects.meta import ObjectMeta
 from .._ray.hooks import add_out_of_scope_callback  # a private Ray API, checked when rdt is imported
 from .._objects.table import Entry
-from ..errors import UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError
 
 logger = logging.getLogger("rdt")
+
+
+def check_transport(transport: Any) -> str:
+    """A transport name this process knows and that may be named (built in, or registered by the user)."""
+    name = transport.lower() if isinstance(transport, str) else None
+    known = transports.explicit_names()
+    if name not in known:
+        raise InvalidArgumentError(
+            f"unknown tensor_transport {transport!r}", hint="use one of " + ", ".join(repr(t) for t in known)
+            + " (or register yours with rdt.register_transport in every process that makes or reads its objects)"
+        )
+    return name
+
+
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    """A producer-side timeout: a positive number of seconds, or None for the consumer's transfer_timeout."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                                   hint="pass e.g. timeout=30.0, or None for the consumer's transfer_timeout")
+    return None if timeout is None else float(timeout)
 
 
 def produce(ctx: Any, value: Any, transport: str, *, snapshot: bool = False, timeout: Optional[float] = None,

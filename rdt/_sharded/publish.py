@@ -11,12 +11,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import ray
 import torch
+import torch.distributed as dist
 
 from .._objects.dtensor import is_dtensor, local_layout
 from .._objects.meta import ObjectMeta
-from ..errors import InvalidArgumentError
-from ..transports.base import TransportState
+from .._process.context import State, get_context
+from .._producer.produce import check_timeout, check_transport, produce
+from ..errors import InvalidArgumentError, ProducerDiedError, TransferTimeoutError
 from .layout import Box, Layout, box_of, intersect, volume
 
 
@@ -54,10 +57,7 @@ class Shards:
         in, and this waits until the readers in flight are done; from then on a reader gets VersionGoneError.
         A kept copy (``keep_versions``) is not fenced. FenceTimeoutError names the readers still in flight after
         ``timeout`` (the version is gone all the same: they fail rather than return bytes of the update)."""
-        from .._api.tensor_method import _check_timeout
-        from .._process.context import get_context
-
-        seconds = _check_timeout(timeout)
+        seconds = check_timeout(timeout)
         if self.meta is None:
             return
         ctx = get_context()
@@ -120,10 +120,8 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
     (publishing another version of the same parameters from this rank without one makes the older version gone).
     ``keep_versions=N`` publishes a copy instead and keeps the copies of this rank's newest N such versions
     readable while the weights change (N x the shard, ``Shards.kept_bytes``)."""
-    from .._api.tensor_method import _check_timeout, _check_transport
-
-    transport = _check_transport(tensor_transport)
-    seconds = _check_timeout(timeout)
+    transport = check_transport(tensor_transport)
+    seconds = check_timeout(timeout)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise InvalidArgumentError(f"version must be an int >= 0, got {version!r}", hint="pass version=step")
     if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 0:
@@ -170,18 +168,11 @@ def publish_local(tensors: Dict[str, torch.Tensor], params: Tuple[ParamInfo, ...
     meta = _publish(tensors, transport, timeout, keep_versions > 0)
     kept = meta.nbytes if meta is not None and keep_versions else 0
     if meta is not None:
-        from .._process.context import get_context
-
         get_context().versions.publish(meta.obj_id, stream, rank, version, kept, keep_versions)
     return Shards(rank, version, params, meta, kept, source)
 
 
 def _publish(tensors: Dict[str, torch.Tensor], transport: str, timeout: Optional[float], copy: bool) -> Any:
-    import ray
-
-    from .._process.context import get_context
-    from .._producer.produce import produce
-
     try:
         in_actor = ray.get_runtime_context().get_actor_id() is not None
     except Exception:  # noqa: BLE001 - not connected: not in an actor
@@ -198,15 +189,13 @@ def _rank(rank: Optional[int]) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}", hint="pass rank=dist.get_rank()")
         return rank
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     raise InvalidArgumentError("put_shards needs rank= (no torch.distributed process group here to read it from)",
                                hint="pass rank=<this trainer's rank>")
 
 
-class _Newest(TransportState):
+class _Newest(State):
     """This process's newest publication per stream (rank and parameter names) that the process still holds (the
     trainer keeps its Shards to fence them): what ``Manifest.newest`` hands out. Weak: it never keeps a publication
     alive; a fenced one is dropped. Bounded; held by the process context (none in a forked child)."""
@@ -241,7 +230,7 @@ class _Newest(TransportState):
             self._by_stream.clear()
 
 
-class _Checked(TransportState):
+class _Checked(State):
     """The manifest layouts this process found consistent (bounded, least recently used out first): a consumer
     that deserializes the manifest of every version checks an unchanged layout once."""
 
@@ -270,14 +259,10 @@ class _Checked(TransportState):
 
 
 def _checked() -> _Checked:
-    from .._process.context import get_context
-
     return get_context().transport_state("sharded-checked", _Checked)
 
 
 def _newest() -> _Newest:
-    from .._process.context import get_context
-
     return get_context().transport_state("sharded-newest", _Newest)
 
 
@@ -324,10 +309,6 @@ class Manifest:
         (as it does to fence it), asked of the actors through Ray: for a consumer that pulls the newest weights when
         it is ready rather than the version the driver hands it. While the ranks disagree (one has published version N + 1, another not yet) it asks
         again, until ``timeout``: then TransferTimeoutError names each rank's newest version."""
-        import ray
-
-        from ..errors import ProducerDiedError, TransferTimeoutError
-
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}",
                                        hint="pass e.g. timeout=30.0")

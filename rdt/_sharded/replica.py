@@ -10,6 +10,7 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
+from .._producer.produce import check_transport
 from ..errors import InvalidArgumentError
 from .layout import Region, box_of
 from .publish import Manifest, ParamInfo, Shards, _dtype_name, publish_local
@@ -50,9 +51,7 @@ def key(index: int, name: str) -> str:
 
 def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who: str) -> Replica:
     """Publish ``wants``' targets as they are (no copy) as ``version`` of this loader's stream."""
-    from .._api.tensor_method import _check_transport
-
-    transport = _check_transport(transport)
+    transport = check_transport(transport)
     tensors = {key(i, w.name): w.target for i, w in enumerate(wants)}
     params = tuple(ParamInfo(k, _dtype_name(t.dtype), tuple(t.shape), box_of((0,) * t.dim(), t.shape))
                    for k, t in tensors.items())

@@ -178,11 +178,12 @@ class Transport(abc.ABC):
     def fetch(self, ctx: Any, meta: "ObjectMeta", site: Site, deadline: float) -> Fetched:
         """Consumer: the object's buffers in this process; typed rdt errors, TimeoutError or SetupFailed."""
 
-    def read_ranges(self, ctx: Any, meta: "ObjectMeta", ranges: "Ranges", same_node: bool,
+    def read_ranges(self, ctx: Any, meta: "ObjectMeta", ranges: "Ranges", site: Site,
                     deadline: float) -> Optional[str]:
         """Consumer: copy byte ranges of the object's buffers straight to local addresses (sharded weight sync);
-        the label of the path that served, or None where this transport cannot serve ranges here (the caller then
-        fetches the buffers whole and copies the ranges out). Typed rdt errors as :meth:`fetch`."""
+        the label of the path that served, or None where this transport cannot serve ranges here (the road then
+        tries the next transport, and at last fetches the buffers whole and copies the ranges out). Called, as
+        :meth:`fetch`, only where the capabilities fit ``site``. Typed rdt errors, TimeoutError, as :meth:`fetch`."""
         return None
 
     def handlers(self) -> Dict[int, Served]:

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rdt._sharded import cover
+from rdt._consumer import cover
 from rdt._sharded.layout import runs
-from rdt._sharded.load import _merge, _narrow
 
 
 def _apply(rp: cover.ReadPlan, sources: List[torch.Tensor], keep: List[torch.Tensor]) -> None:
@@ -45,14 +44,14 @@ def test_covering_reads_land_what_exact_runs_land(costly: bool) -> None:
     groups = cover.groups(parts)
     covered = cover.decide(groups, 1e-3 if costly else 1e-9, 1e9)
     assert covered.tolist() == ([True, True, False] if costly else [False, False, False])
-    rp = cover.plan(groups, covered, len(keep), _merge)
+    rp = cover.plan(groups, covered, len(keep))
     assert rp.covered == (2 if costly else 0)
     if costly:
         assert len(rp.strided) == 1 and len(rp.narrow[3]) == 2 * 3  # the 3-D box: range by range
         assert rp.read_bytes == 4 * (15 * 40 + 12) + 4 * (1 * 60 + 2 * 10 + 6) + 4 * 7  # covering ranges, whole
     _apply(rp, sources, keep)
     addrs = np.array([t.data_ptr() for t in keep], dtype=np.uint64)
-    _narrow(rp, keep, addrs, rp.staging_tensor().data_ptr())
+    cover.narrow(rp, keep, addrs)
     for t, w in zip(keep, wanted):
         assert torch.equal(t, w)
     assert (backing[:5] == -1).all() and (backing[5 + 192:5 + 195] == -1).all()  # nothing outside the targets

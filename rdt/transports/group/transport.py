@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rdt_transports import local_groups
 from rdt_transports._memcopy import copy_parts
 from rdt_transports.errors import CollectiveTimeoutError, CommunicationError
 from rdt_transports.group import TAG_OBJECT, make_tag
@@ -85,15 +84,13 @@ class GlooTransport(_GroupTransport):
                                 serves_from_holder=True, auto_priority=20, range_run_s=RANGE_RUN_S,
                                 range_bytes_per_s=RANGE_BYTES_PER_S)
 
-    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
                     deadline: float) -> Optional[str]:
-        """The ranges streamed packed by the producer (see ``ranges``); None without a healthy common gloo group,
-        for an object or targets not all on the CPU, or a plan too large for one control frame."""
-        found = _common_group(meta, self.name)
-        if found is None or meta.buffers.device_types != {"cpu"} \
-                or any(t.device.type != "cpu" for t in ranges.targets):
+        """The ranges streamed packed by the producer (see ``ranges``) over the common gloo group; None for an
+        object or targets not all on the CPU, or a plan too large for one control frame."""
+        if meta.buffers.device_types != {"cpu"} or any(t.device.type != "cpu" for t in ranges.targets):
             return None
-        group, ref = found
+        group, ref = site.groups[self.name]
         return _ranges.read_ranges(ctx, meta, group, ref, ranges, deadline, _watching_producer, _receive_failed)
 
     def handlers(self) -> Dict[int, Served]:
@@ -106,16 +103,6 @@ class GlooTransport(_GroupTransport):
         ranges = ctx.peek_transport_state("gloo-ranges")
         return {"relay": state.snapshot() if state is not None else dict(_relay.EMPTY_STATS),
                 "gloo_ranges": ranges.snapshot() if ranges is not None else dict(_ranges.EMPTY_STATS)}
-
-
-def _common_group(meta: ObjectMeta, backend: str) -> Optional[Tuple[Any, GroupRef]]:
-    """A healthy group of ``backend`` this process shares with ``meta``'s producer, and the producer's ref in it."""
-    mine = {g.uid: g for g in local_groups() if g is not None}
-    for ref in meta.groups:
-        g = mine.get(ref.uid)
-        if ref.backend == backend and g is not None and g.state.value == "healthy":
-            return g, ref
-    return None
 
 
 class NcclTransport(_GroupTransport):

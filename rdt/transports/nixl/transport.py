@@ -77,7 +77,7 @@ class NixlTransport(Transport):
             _name_the_producer(ctx, meta, "the NIXL READ", e)
             raise
 
-    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
                     deadline: float) -> Optional[str]:
         info = meta.export("nixl")
         if info is None:

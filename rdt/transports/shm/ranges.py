@@ -14,13 +14,14 @@ from ..._control.peer import died, freed, producer_alive
 from ..base import Ranges
 
 
-def read_ranges(ctx: Any, meta: Any, ranges: Ranges, same_node: bool) -> Optional[str]:
-    """"shm-direct" once every range landed; None where a direct read is not possible here (another node, no
-    cross-memory attach, the kernel refused this producer). ObjectFreedError / ProducerDiedError otherwise."""
+def read_ranges(ctx: Any, meta: Any, ranges: Ranges) -> Optional[str]:
+    """"shm-direct" once every range landed (the producer is on this node: the capabilities say so); None where
+    a direct read is not possible here (no cross-memory attach, the kernel refused this producer).
+    ObjectFreedError / ProducerDiedError otherwise."""
     desc = meta.export("shm")
     info = desc.cma if desc is not None else None
     shm = state(ctx)
-    if not same_node or info is None or not ctx.config.shm_cma or shm.cma.denied(meta.producer.pid):
+    if info is None or not ctx.config.shm_cma or shm.cma.denied(meta.producer.pid):
         return None
     bases = np.array([a for a, _ in info.ranges], dtype=np.uint64)
     remote = np.empty((len(ranges.n), 2), dtype=np.uint64)

@@ -95,9 +95,9 @@ class ShmTransport(Transport):
             raise died(meta, ProcessLookupError(f"process {meta.producer.pid} is gone"))
         return Fetched(_map(ctx, meta, seg.name, seg.layout), "shm-segment")
 
-    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, same_node: bool,
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
                     deadline: float) -> Optional[str]:
-        return _ranges.read_ranges(ctx, meta, ranges, same_node)
+        return _ranges.read_ranges(ctx, meta, ranges)
 
     def start(self, ctx: Any) -> None:
         state(ctx)  # unlinks dead processes' segments now; exit unlinks ours

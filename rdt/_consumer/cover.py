@@ -3,15 +3,16 @@ read as the one contiguous range that covers it, into a staging buffer, and narr
 on the transport: what one more range costs it against what one more byte costs. Each transport declares those two
 constants (``Capabilities.range_run_s`` and ``range_bytes_per_s``, measured by ``rdt-bench --suites sharded-sync``;
 ``rdt.configure(range_costs={name: (run_s, bytes_per_s)})`` overrides them); a transport that declares none is read
-in exact runs. Decided once per plan, producer rank and transport."""
+in exact runs. Decided once per plan, object and transport by the consumer's range road (``ranges``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from rdt_transports._memcopy import copy_parts
 
 # The local narrow (copy_parts from the staging buffer into the targets): per run and per byte, measured by
 # rdt-bench's calibration on the 2-core reference machine.
@@ -84,9 +85,22 @@ def decide(g: Groups, run_s: float, bytes_per_s: float) -> np.ndarray:
     return (g.g_k > 1) & (cover < exact)
 
 
-def plan(g: Groups, covered: np.ndarray, staging_index: int,
-         merge: Callable[..., Tuple[np.ndarray, ...]]) -> ReadPlan:
-    """The runs a transport reads when ``covered`` groups are read covering; ``merge`` joins adjacent exact runs."""
+def merge(leaf: np.ndarray, src: np.ndarray, target: np.ndarray, dst: np.ndarray,
+          n: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """Adjacent runs (same leaf and target, contiguous on both sides) joined into one, sorted by leaf and source."""
+    order = np.lexsort((src, leaf))
+    leaf, src, target, dst, n = leaf[order], src[order], target[order], dst[order], n[order]
+    if len(n) < 2:
+        return leaf, src, target, dst, n
+    joins = (leaf[1:] == leaf[:-1]) & (target[1:] == target[:-1]) & (src[1:] == src[:-1] + n[:-1]) \
+        & (dst[1:] == dst[:-1] + n[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    total = np.add.reduceat(n, starts)
+    return leaf[starts], src[starts], target[starts], dst[starts], total
+
+
+def plan(g: Groups, covered: np.ndarray, staging_index: int) -> ReadPlan:
+    """The runs a transport reads when ``covered`` groups are read covering (adjacent exact runs merged)."""
     keep = ~covered[g.gid]
     exact = merge(g.leaf[keep], g.src[keep], g.target[keep], g.dst[keep], g.n[keep])
     idx = np.flatnonzero(covered)
@@ -112,3 +126,21 @@ def plan(g: Groups, covered: np.ndarray, staging_index: int,
     staging = int(g.g_cover[idx].sum())
     return ReadPlan(leaf, src, target, dst, n, narrow, len(idx), staging, int(n.sum()),
                     tuple(np.unique(target).tolist()), strided)
+
+
+def narrow(rp: ReadPlan, keep: Sequence[torch.Tensor], addrs: np.ndarray) -> None:
+    """Copy the covered groups' runs from the staging buffer into the targets (``addrs``: their base addresses):
+    one strided copy per group whose runs step by one stride (a row-parallel slice), range by range for the
+    others."""
+    stage = rp.staging_tensor()
+    flat: Dict[int, torch.Tensor] = {}
+    for t, d0, ds, s0, ss, k, n in rp.strided:
+        into = flat.get(t)
+        if into is None:
+            into = flat[t] = keep[t].reshape(-1).view(torch.uint8)
+        torch.as_strided(into, (k, n), (ds, 1), into.storage_offset() + d0).copy_(
+            torch.as_strided(stage, (k, n), (ss, 1), s0))
+    target, dst, at, n = rp.narrow
+    if len(n):
+        base = stage.data_ptr()
+        copy_parts(list(zip((addrs[target] + dst.astype(np.uint64)).tolist(), (at + base).tolist(), n.tolist())))
