@@ -331,13 +331,15 @@ class AsyncConsumer:
     async def arm_failure(self, fill: float) -> None:
         _arm_gate(0, 10.0, fail_fill=fill)
 
-    async def cancel_then_load(self, stuck: List[Any], other: List[Any]) -> str:
+    async def cancel_then_load(self, stuck: List[Any], other: List[Any], numpy: bool = False) -> str:
         """Give up on a fetch of ``stuck`` into the params after 0.5 s (asyncio.wait_for cancels it), then fetch
         ``other`` into them: "ok", or the error. Shared memory is read from a segment the producer writes on
-        request (no direct reads, no mappings), so a fetch from a stopped producer waits."""
+        request (no direct reads, no mappings), so a fetch from a stopped producer waits. ``numpy``: the abandoned
+        fetch lands in numpy views of the params."""
         rdt.configure(shm_cma=False, shm_map=False)
+        into = {k: v.numpy() for k, v in self.params.items()} if numpy else self.params
         try:
-            await asyncio.wait_for(rdt.get_async(stuck[0], into=self.params, timeout=30.0), 0.5)
+            await asyncio.wait_for(rdt.get_async(stuck[0], into=into, timeout=30.0), 0.5)
             return "the stuck fetch finished"
         except asyncio.TimeoutError:
             pass
@@ -480,13 +482,16 @@ def test_into_a_state_dict_takes_the_keys_fast_path_and_still_refuses_every_mism
     refused(shared, "['model.layers.0.w']", "['model.layers.1.w']", "share bytes")
 
 
-def test_refs_fetched_into_the_same_tensors_are_refused_before_any_byte(actors) -> None:
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_refs_fetched_into_the_same_tensors_are_refused_before_any_byte(actors, kind: str) -> None:
     """Before: rdt.get([a, b], into=[params, params]) fetched both at once into the same bytes (a mix of the two
-    objects, returned as both values). Refused naming both entries, the targets untouched."""
+    objects, returned as both values). Refused naming both entries, the targets untouched. numpy targets (which
+    into= accepts) were not seen by the check at all."""
     p, _ = actors
     params = {k: torch.full_like(v, -1) for k, v in _state(0.0).items()}
+    into = params if kind == "tensor" else {k: v.numpy() for k, v in params.items()}
     with pytest.raises(rdt.IntoMismatchError, match=r"into\[0\] and into\[1\] share bytes"):
-        rdt.get([p.shm.remote(1.0), p.object_store.remote(2.0)], into=[params, params])
+        rdt.get([p.shm.remote(1.0), p.object_store.remote(2.0)], into=[into, into])
     assert all(bool((v == -1).all()) for v in params.values())
     other = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
     one, two = rdt.get([p.shm.remote(1.0), p.object_store.remote(2.0)], into=[params, other])
@@ -716,10 +721,13 @@ def test_async_consumer_keeps_its_loop_serving(ray_cluster) -> None:
         ray.kill(big)
 
 
-def test_a_cancelled_get_async_keeps_its_targets_busy_until_its_fetch_ends(actors, fresh_async_consumer) -> None:
+@pytest.mark.parametrize("numpy", [False, True])
+def test_a_cancelled_get_async_keeps_its_targets_busy_until_its_fetch_ends(actors, fresh_async_consumer,
+                                                                            numpy: bool) -> None:
     """Before: cancelling the task awaiting rdt.get_async(into=) left its fetch running unmarked, so a later fetch
     into the same tensors landed at once and the abandoned one overwrote it when its producer went on (the targets
-    held the older object's bytes). The later fetch now waits until the abandoned one ended, then lands."""
+    held the older object's bytes). The later fetch now waits until the abandoned one ended, then lands. numpy
+    targets were not marked at all."""
     import os
     import signal
 
@@ -733,7 +741,7 @@ def test_a_cancelled_get_async_keeps_its_targets_busy_until_its_fetch_ends(actor
         pid = ray.get(p.pid.remote(), timeout=60)
         freeze(pid)  # the fetch from it waits for its segment while it is stopped
         try:
-            call = fresh_async_consumer.cancel_then_load.remote([stuck], [fresh])
+            call = fresh_async_consumer.cancel_then_load.remote([stuck], [fresh], numpy)
             time.sleep(3.0)
         finally:
             os.kill(pid, signal.SIGCONT)
