@@ -11,6 +11,8 @@ import struct
 import time
 from typing import Any, Dict, Optional, Tuple
 
+import ray
+
 from .._control import wire as _control
 from .._control.peer import control_request
 from .._objects.meta import ObjectMeta
@@ -25,13 +27,13 @@ def who() -> str:
     global _who
     pid = os.getpid()
     if _who is None or _who[0] != pid:
+        actor = node = None
         try:
-            import ray
-
-            rt = ray.get_runtime_context()
-            actor, node = rt.get_actor_id(), rt.get_node_id()
+            if ray.is_initialized():  # never start Ray just to name this process
+                rt = ray.get_runtime_context()
+                actor, node = rt.get_actor_id(), rt.get_node_id()
         except Exception:  # noqa: BLE001 - not connected
-            actor, node = None, None
+            pass
         _who = (pid, f"{'actor ' + actor[:12] if actor else 'driver'} pid {pid}" + (f" node {node[:12]}"
                                                                                    if node else ""))
     return _who[1]
