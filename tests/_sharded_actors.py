@@ -87,6 +87,25 @@ class Trainer:
                 new = new.narrow(d, lo, hi - lo)
             t.copy_(new)
 
+    def step_publish(self, transport: str = "shm", keep_versions: int = 0) -> rdt.Shards:
+        """``step`` then ``publish``: one call where a test drives many versions."""
+        self.step()
+        return self.publish(transport, keep_versions)
+
+    def set_version(self, version: int) -> None:
+        """Hold ``version``'s weights (a spare taking a killed rank's place)."""
+        self.version = version
+        self._build()
+
+    def fence_step(self, timeout: float) -> None:
+        """Fence the live publication (its readers waited for at most ``timeout``), then update in place."""
+        if self.published is not None:
+            try:
+                self.published.fence(timeout=timeout)
+            except rdt.FenceTimeoutError:
+                pass  # the version is gone all the same: its readers fail rather than return these updates
+        self.step()
+
     def reshard(self, name: str, sizes: List[int]) -> None:
         """Change how ``name`` is split across the ranks (a changed layout)."""
         self.sizes[name] = sizes
@@ -147,21 +166,27 @@ class Trainer:
 
 @contextlib.contextmanager
 def delayed_reads(transport: str, obj_id: bytes, seconds: float) -> Iterator[None]:
-    """In this process: range reads of object ``obj_id`` over ``transport`` start ``seconds`` late (the bytes then
-    move for real), so that a test can act while that read is in flight."""
-    t = rdt.transports.get(transport)
-    inner = type(t).read_ranges
+    """In this process: range reads of object ``obj_id`` over ``transport`` (any of auto's for "auto") start
+    ``seconds`` late (the bytes then move for real), so that a test can act while that read is in flight."""
+    chain = rdt.transports.auto_chain() if transport == "auto" else [rdt.transports.get(transport)]
 
-    def read_ranges(ctx: Any, meta: Any, *rest: Any) -> Any:
-        if meta.obj_id == obj_id:
-            time.sleep(seconds)
-        return inner(t, ctx, meta, *rest)
+    def delayed(t: Any) -> Any:
+        inner = type(t).read_ranges
 
-    t.read_ranges = read_ranges  # type: ignore[method-assign]
+        def read_ranges(ctx: Any, meta: Any, *rest: Any) -> Any:
+            if meta.obj_id == obj_id:
+                time.sleep(seconds)
+            return inner(t, ctx, meta, *rest)
+
+        return read_ranges
+
+    for t in chain:
+        t.read_ranges = delayed(t)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del t.read_ranges
+        for t in chain:
+            del t.read_ranges
 
 
 def wants(rank: int, tp: int) -> List[Tuple[str, List[Tuple[str, int, int, int]], int, str]]:
@@ -263,8 +288,10 @@ class Consumer:
     def interrupted_load(self, slow: Any, fast: Any, transport: str, delay: float, after: float,
                          exc: str = "KeyboardInterrupt") -> Dict[str, Any]:
         """Load ``slow`` with the read of its rank 1 delayed ``delay`` s, interrupted after ``after`` s by ``exc``
-        raised in this, the loading, thread (as Ctrl-C raises KeyboardInterrupt); then load ``fast`` at once.
-        Returns how each ended, the targets right after the second, and ``delay`` s later."""
+        raised in this, the loading, thread (as Ctrl-C raises KeyboardInterrupt; Ray keeps SIGINT blocked in
+        actors, so SIGUSR1's handler raises it); then load ``fast``. Returns how each ended and when, whether the
+        targets changed in the second after the first failed, and the targets right after the second and
+        ``delay`` s later."""
         import signal
         import threading
 
@@ -278,6 +305,7 @@ class Consumer:
         timer = threading.Timer(after, lambda: signal.pthread_kill(main, signal.SIGUSR1))
         out: Dict[str, Any] = {}
         with delayed_reads(transport, slow.shards[1].meta.obj_id, delay):
+            t0 = time.monotonic()
             timer.start()
             try:
                 self.loader.load(slow, timeout=30.0)
@@ -285,15 +313,49 @@ class Consumer:
             except BaseException as e:  # noqa: BLE001 - what the injected exception did
                 out["first"] = type(e).__name__
             finally:
+                out["first_s"] = time.monotonic() - t0
                 timer.cancel()
                 signal.signal(signal.SIGUSR1, old)
-        t0 = time.monotonic()
+        failed = self.targets_now()
+        time.sleep(1.0)
+        out["changed_after_failure"] = any(not torch.equal(v.view(torch.uint8), failed[k].view(torch.uint8))
+                                           for k, v in self.targets_now().items())
         try:
             self.loader.load(fast, timeout=30.0)
             out["second"] = "ok"
         except rdt.RdtError as e:
             out["second"] = f"{type(e).__name__}: {e}"
-        out["second_s"] = time.monotonic() - t0
+        out["right_after"] = self.targets_now()
+        time.sleep(delay + 0.5)
+        out["later"] = self.targets_now()
+        return out
+
+    def cancelled_async_load(self, slow: Any, fast: Any, delay: float, after: float) -> Dict[str, Any]:
+        """Cancel an async load of ``slow`` (its rank 1 read delayed ``delay`` s) ``after`` s in, then load
+        ``fast`` at once: how each ended, how long the second took, and the targets right after it and later."""
+        import asyncio
+
+        async def abandon() -> str:
+            task = asyncio.ensure_future(self.loader.load_async(slow, timeout=30.0))
+            await asyncio.sleep(after)
+            running = not task.done()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                return "cancelled while running" if running else "cancelled"
+            return "ok"
+
+        out: Dict[str, Any] = {}
+        loop = asyncio.new_event_loop()  # not asyncio.run: it would wait for the executor's load at its end
+        try:
+            with delayed_reads("shm", slow.shards[1].meta.obj_id, delay):
+                out["first"] = loop.run_until_complete(abandon())
+                t0 = time.monotonic()
+                self.loader.load(fast, timeout=30.0)
+                out["second_s"] = time.monotonic() - t0
+        finally:
+            loop.close()
         out["right_after"] = self.targets_now()
         time.sleep(delay + 0.5)
         out["later"] = self.targets_now()

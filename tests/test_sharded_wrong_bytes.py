@@ -55,15 +55,27 @@ def _same(got, version: int) -> bool:
 def test_an_interrupted_load_never_writes_after_it_failed(trainers, engine, transport: str, exc: str):
     """Before: a load whose waiting thread was interrupted (Ctrl-C, or any exception raised there) returned while
     its reading threads went on landing; the next load succeeded at once and was then overwritten by the
-    abandoned one (the targets held the older version). Now the abandoned read keeps its targets busy: the next
-    load waits for it, then lands, and the targets hold the newer version then and later."""
+    abandoned one (the targets held the older version). Now the interrupted load raises once its reads in flight
+    ended (none is begun after the interrupt): nothing writes the targets after it raised, and the next load lands
+    the newer version, then and later."""
     old, new = _two_versions(trainers, transport)
     out = ray.get(engine.interrupted_load.remote(old, new, transport, 2.0, 0.5, exc), timeout=120)
     assert out["first"] == exc, out["first"]
+    assert out["first_s"] >= 1.5, "the interrupted load raised before its read in flight ended"
+    assert not out["changed_after_failure"], "the targets changed after the interrupted load raised"
     assert out["second"] == "ok", out["second"]
     assert _same(out["right_after"], new.version), "the second load returned torn or older bytes"
     assert _same(out["later"], new.version), "the abandoned read of the older version wrote after the next load"
-    assert out["second_s"] > 1.0, "the next load did not wait for the abandoned read"
+
+
+def test_a_cancelled_async_load_holds_its_targets_until_it_ends(trainers, engine):
+    """``load_async`` cancelled while it runs goes on (it cannot be stopped), so the next load waits for it, then
+    lands: the targets hold the newer version right after and later."""
+    old, new = _two_versions(trainers, "shm")
+    out = ray.get(engine.cancelled_async_load.remote(old, new, 1.5, 0.3), timeout=120)
+    assert out["first"] == "cancelled while running", out["first"]
+    assert out["second_s"] > 0.8, "the next load did not wait for the cancelled one"
+    assert _same(out["right_after"], new.version) and _same(out["later"], new.version)
 
 
 @pytest.mark.parametrize("how", ["dtype", "shape"])

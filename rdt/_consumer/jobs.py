@@ -2,10 +2,12 @@
 
 A caller may stop waiting before such work ends: an interrupt (Ctrl-C, ``ray.cancel``), an error raised in the
 waiting thread, a cancelled ``rdt.get_async``, or a guard that ran out. The work itself cannot be stopped (a
-posted receive, a READ in flight, a copy loop), so it is *abandoned*: a job that had not begun never begins, and one
-that had keeps its targets marked busy (``ctx.busy_targets``), and their memory alive, until it ends. Every fetch
-or load into targets first waits for them to be free (:func:`wait_free`), so nothing the caller was told failed
-writes into its tensors afterwards. Whole fetches (``get_async``) and range reads (sharded loads) share this.
+posted receive, a READ in flight, a copy loop). Where the caller can wait, it does (:func:`run_all`: jobs not begun
+never begin, the running ones end by their deadline) before it raises, so nothing the caller was told failed writes
+into its tensors afterwards. Where it cannot (a cancelled coroutine, a second interrupt) the work is *abandoned*:
+a running job keeps its targets marked busy (``ctx.busy_targets``), and their memory alive, until it ends, and
+every fetch or load into targets first waits for them to be free (:func:`wait_free`). Whole fetches
+(``get_async``) and range reads (sharded loads) share this.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from typing import Any, Callable, Generic, Iterable, List, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -60,6 +62,12 @@ class Job(Generic[T]):
                 hold, self._hold, self._kept = self._hold, None, []
             self.ctx.busy_targets.clear(hold)
 
+    def skip(self) -> None:
+        """A job not begun never begins (one running goes on)."""
+        with self._lock:
+            if not self._started:
+                self._abandoned = True
+
     def abandon(self) -> None:
         """The caller stops waiting: a job not begun never begins; a running one marks its targets busy until it
         ends."""
@@ -75,9 +83,13 @@ class Job(Generic[T]):
 
 
 def run_all(pool: ThreadPoolExecutor, jobs: Sequence[Job[T]], deadline: float) -> List[Any]:
-    """Run ``jobs`` on ``pool`` at once and wait for all: per job its result or the exception it raised. However
-    the wait ends early (an interrupt, an error raised in this thread, the guard ``GUARD_S`` past ``deadline``),
-    every job still running is abandoned first (see the module docstring)."""
+    """Run ``jobs`` on ``pool`` at once and wait for all: per job its result or the exception it raised.
+
+    When the wait is cut short (an interrupt such as Ctrl-C, an error raised in this thread), jobs not begun never
+    begin and the running ones are waited for, at most until ``deadline`` (they end by then), before the exception
+    is raised: nothing writes into the targets after the caller is told the work failed. A second interrupt during
+    that wait, or the guard ``GUARD_S`` past ``deadline``, gives them up at once: their targets stay busy until they
+    end (see the module docstring)."""
     futures: List["Future[T]"] = []
     try:
         futures = [pool.submit(job) for job in jobs]
@@ -91,16 +103,26 @@ def run_all(pool: ThreadPoolExecutor, jobs: Sequence[Job[T]], deadline: float) -
                     out.append(e)
                     continue
                 if isinstance(e, TimeoutError) and not f.done():
-                    raise TransferTimeoutError(
-                        f"{jobs[len(out)].what} did not end {GUARD_S:.0f}s past its deadline",
-                        hint="a bug in rdt: please report it with the log; its targets stay busy until it "
-                             "ends") from e
+                    raise _Stuck(f"{jobs[len(out)].what} did not end {GUARD_S:.0f}s past its deadline",
+                                 hint="a bug in rdt: please report it with the log; its targets stay busy until it "
+                                      "ends") from e
                 raise
         return out
-    except BaseException:
+    except BaseException as e:
+        for job in jobs:
+            job.skip()
+        if not isinstance(e, _Stuck):
+            try:
+                futures_wait(futures, max(deadline - time.monotonic(), 0.0) + 1.0)
+            except BaseException:  # noqa: BLE001 - a second interrupt: give the running jobs up now
+                pass
         for job in jobs:
             job.abandon()
         raise
+
+
+class _Stuck(TransferTimeoutError):
+    """A job that outlived its deadline by the guard (raised as a TransferTimeoutError)."""
 
 
 def tensors_of(targets: Iterable[Any]) -> List[torch.Tensor]:
