@@ -750,3 +750,71 @@ def test_a_checksum_request_whose_count_is_not_its_ranges_is_refused(published) 
     _refused(_sum_request(published, plan_key(ranges + b"\0"), ranges + b"\0", count=2), "count")
     assert _honest_sums(published, ranges) == {0: _crc(0, 8), 1: _crc(8, 16)}
 
+
+def _gloo_object(_self: Any) -> bytes:
+    """An object of one CPU buffer (N_FLOATS floats) held by this process for the gloo transport; its id."""
+    from rdt._process.context import get_context
+    from rdt._producer.produce import produce
+
+    meta = produce(get_context(), {"w": torch.arange(N_FLOATS, dtype=torch.float32)}, "gloo")
+    _self._sec_meta = meta  # its lifetime token: the object is held while it lives
+    return meta.obj_id
+
+
+def _free_object(_self: Any, obj_id: bytes) -> None:
+    from rdt._process.context import get_context
+
+    get_context().table.free(obj_id)
+    _self._sec_meta = None
+
+
+def _rows(*runs: Tuple[int, int, int, int, int]) -> bytes:
+    """A gloo range plan on the wire from (buffer, offset, length, count, stride) rows."""
+    from rdt.transports.group.ranges import ROW
+
+    return b"".join(ROW.pack(*r) for r in runs)
+
+
+def test_a_gloo_range_request_past_the_objects_buffers_is_refused(pair) -> None:
+    """A group member's REQ_FETCH_RANGES may name only bytes inside the object's buffers: a range past the end, in
+    a buffer the object does not have, or whose end overflows a signed 64-bit sum, is refused before a byte is
+    sent and before the plan is cached; a key that is not the plan's digest is refused too. Failed before for the
+    overflowing range (offset 2**63 - 8, length 16): its end wrapped negative, so it passed the bound and the
+    producer was set to send from an address past its object; the other cases were refused already."""
+    from rdt.transports.group.ranges import HEAD, NEED_PLAN, plan_key
+
+    a, _ = pair
+    handle = rt.create_collective_group(pair, group_name="sec-ranges")
+    obj_id = ray.get(a.__ray_call__.remote(_gloo_object), timeout=60)
+    try:
+        uid, secret = ray.get(a.__ray_call__.remote(_group_secret, "sec-ranges"), timeout=60)
+        address = ray.get(a.__ray_call__.remote(_actor_control), timeout=60)[0]
+
+        def ask(rows: bytes, key: Optional[bytes] = None) -> Tuple[int, bytes]:
+            head = HEAD.pack(1, 0, 1000, plan_key(rows) if key is None else key)  # consumer rank 1, tags, ms
+            return _valid_ping(address, secret, _control.KEY_GROUP, obj_id + bytes.fromhex(uid) + head + rows,
+                               REQ_FETCH_RANGES)
+
+        cases = {
+            "straddles the end": _rows((0, SIZE - 8, 16, 1, 0)),
+            "starts at the end": _rows((0, SIZE, 1, 1, 0)),
+            "a strided row's second run ends past it": _rows((0, 0, 8, 2, SIZE - 4)),
+            "a buffer the object does not have": _rows((1, 0, 8, 1, 0)),
+            "2**62 bytes after a good run": _rows((0, 0, 8, 1, 0), (0, 1 << 62, 1 << 62, 1, 0)),
+            "end 2**63 + 8 (wraps negative in int64)": _rows((0, (1 << 63) - 8, 16, 1, 0)),  # last: before, the
+            # producer went on to send from an address past its object
+        }
+        wrong = []
+        for what, rows in cases.items():
+            answer = ask(rows)
+            if answer[0] != _control.RESP_ERR or "a range lies outside the object's buffers" not in answer[1].decode():
+                wrong.append(f"{what}: answered {answer}")
+            elif ask(b"", plan_key(rows)) != (_control.RESP_OK, NEED_PLAN):
+                wrong.append(f"{what}: refused, but its plan was cached")
+        assert not wrong, wrong
+        good = _rows((0, 0, 8, 1, 0))
+        _refused(ask(_rows((0, 8, 8, 1, 0)), plan_key(good)), "key")  # other rows under a good plan's key
+        assert ask(b"", plan_key(good)) == (_control.RESP_OK, NEED_PLAN)  # ... were not cached under it
+    finally:
+        ray.get(a.__ray_call__.remote(_free_object, obj_id), timeout=60)
+        handle.destroy(timeout=30)
