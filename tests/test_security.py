@@ -619,3 +619,202 @@ def test_actor_side_group_secret_lives_in_gcs_namespace_rdt(pair) -> None:
         assert _kv_get(f"rdt/{uid}/secret", None) is None  # not in the default namespace
     finally:
         ray.get([x.__ray_call__.remote(_destroy, name) for x in pair], timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------- range requests
+# A consumer's range requests name byte ranges of an object by (buffer, offset, length). The producer serves
+# only ranges inside the object's buffers, and a range set sent with a key is cached under that key only when the
+# key is the set's digest (see docs/security.md, "Range reads: who can read which bytes").
+N_FLOATS = 1 << 15  # the published shard: one buffer of 128 KiB (past the inline threshold: held here)
+SIZE = 4 * N_FLOATS
+
+
+def _put_shards(self_: Any) -> Any:
+    """Publish one parameter of N_FLOATS floats (0, 1, 2, ...) as version 1 of rank 0; the actor keeps it."""
+    import rdt
+
+    w = torch.arange(N_FLOATS, dtype=torch.float32)
+    shards = rdt.put_shards({"w": w}, version=1, layouts={"w": rdt.Layout.whole((N_FLOATS,))}, rank=0,
+                            tensor_transport="shm")
+    self_._sec_shards = (w, shards)
+    return shards
+
+
+def _drop_shards(self_: Any) -> None:
+    self_._sec_shards = None
+
+
+def _sum_request(shards: Any, key: bytes, ranges: bytes, count: Optional[int] = None) -> Tuple[int, bytes]:
+    """REQ_RANGE_SUMS of ``shards``' object under plan key ``key`` with ``ranges`` (b"": the key alone), sent
+    straight to its producer's control server with the producer's process key."""
+    meta = shards.meta
+    n = len(ranges) // 24 if count is None else count
+    payload = struct.pack("!16s16sI", meta.obj_id, key, n) + ranges
+    return _valid_ping(meta.producer.control_address, meta.producer.process_key, payload=payload,
+                       msg_type=_control.REQ_RANGE_SUMS)
+
+
+def _honest_sums(shards: Any, ranges: bytes) -> Dict[int, int]:
+    """What a consumer's verify=True gets: ask by the ranges' digest; send the ranges when the producer asks."""
+    from rdt._process.versions import decode_sums, plan_key
+
+    key = plan_key(ranges)
+    resp_type, resp = _sum_request(shards, key, b"")
+    assert resp_type == _control.RESP_OK, resp
+    if resp[:1] != b"\x01":
+        resp_type, resp = _sum_request(shards, key, ranges)
+        assert resp_type == _control.RESP_OK, resp
+    return decode_sums(resp[1:])
+
+
+def _ranges(*runs: Tuple[int, int, int, int]) -> bytes:
+    """A range set on the wire from (group, buffer, offset, length) runs (any u32/u64 values)."""
+    import numpy as np
+
+    from rdt._process.versions import encode_ranges
+
+    cols = [np.array([r[i] for r in runs], dtype=np.uint64) for i in range(4)]
+    return encode_ranges(*cols)
+
+
+def _crc(lo: int, hi: int) -> int:
+    """CRC-32 of bytes [lo, hi) of the published parameter."""
+    import zlib
+
+    return zlib.crc32(torch.arange(N_FLOATS, dtype=torch.float32).numpy().tobytes()[lo:hi])
+
+
+def _refused(resp: Tuple[int, bytes], *words: str) -> None:
+    resp_type, body = resp
+    assert resp_type == _control.RESP_ERR, f"answered: {body[:40]!r}"
+    code, text = struct.unpack("!H", body[:2])[0], body[2:].decode()
+    assert code == _control.ERR_BAD_REQUEST, (code, text)
+    assert all(w in text for w in words), text
+
+
+@pytest.fixture()
+def published(pair):
+    shards = ray.get(pair[0].__ray_call__.remote(_put_shards), timeout=60)
+    yield shards
+    ray.get(pair[0].__ray_call__.remote(_drop_shards), timeout=60)
+
+
+def test_a_checksum_request_whose_key_is_not_its_ranges_digest_is_refused(published) -> None:
+    """Failed before: the producer cached the ranges (and their checksums) under whatever key came with them, so a
+    holder of the process key could file other ranges under the digest of an honest consumer's range set; that
+    consumer's verify=True then compared its bytes with checksums of the wrong bytes (a false mismatch, or a real
+    one hidden). Now such a request is refused, nothing is cached, and the honest answer stays right."""
+    from rdt._process.versions import plan_key
+
+    honest = _ranges((0, 0, 0, 32))  # group 0: bytes [0, 32) of the shard
+    forged = _ranges((0, 0, 32, 32))  # the same group over other bytes, filed under the honest set's digest
+    forging = _sum_request(published, plan_key(honest), forged)
+    assert _honest_sums(published, honest) == {0: _crc(0, 32)}  # before: the forged bytes' checksum
+    _refused(forging, "key")
+    _refused(_sum_request(published, plan_key(honest), forged), "key")  # and not once the honest set is cached
+    assert _honest_sums(published, honest) == {0: _crc(0, 32)}
+
+
+@pytest.mark.parametrize("runs, words", [
+    ([(0, 0, SIZE - 6, 8)], "outside"),  # straddles the end of the buffer
+    ([(0, 0, SIZE, 1)], "outside"),  # starts at the end
+    ([(0, 0, 1 << 40, 8)], "outside"),  # far past it
+    ([(0, 0, (1 << 64) - 8, 8)], "outside"),  # an offset that wraps to -8 in a signed 64-bit
+    ([(0, 0, 8, (1 << 64) - 4)], "outside"),  # a length that wraps to -4
+    ([(0, 1, 0, 8)], "outside"),  # a buffer the object does not have
+    ([(0, 0, 0, 8), (1, 0, SIZE - 50, 100)], "outside"),  # one bad range among good ones
+])
+def test_a_checksum_request_past_the_objects_buffers_is_refused(published, runs, words) -> None:
+    """Failed before: ranges past the end were cut short silently (the CRC of fewer bytes, or of none), a wrapped
+    offset was read from the end of the buffer, an unknown buffer failed with an internal error; all were
+    answered or cached as if valid. Now each is refused as a bad request, and the honest answer stays right."""
+    from rdt._process.versions import plan_key
+
+    bad = _ranges(*runs)
+    first = _sum_request(published, plan_key(bad), bad)
+    if first[0] == _control.RESP_OK:  # before: say what it answered (a checksum of fewer bytes, or of none)
+        from rdt._process.versions import decode_sums
+
+        first = (first[0], first[1][:1] + repr(decode_sums(first[1][1:])).encode())
+    _refused(first, words)
+    _refused(_sum_request(published, plan_key(bad), bad), words)  # nothing was cached the first time
+    assert _honest_sums(published, _ranges((0, 0, 0, SIZE))) == {0: _crc(0, SIZE)}
+
+
+def test_a_checksum_request_whose_count_is_not_its_ranges_is_refused(published) -> None:
+    """The count in the header must match the ranges that follow it (24 bytes each)."""
+    from rdt._process.versions import plan_key
+
+    ranges = _ranges((0, 0, 0, 8), (1, 0, 8, 8))
+    _refused(_sum_request(published, plan_key(ranges), ranges, count=1), "count")
+    _refused(_sum_request(published, plan_key(ranges + b"\0"), ranges + b"\0", count=2), "count")
+    assert _honest_sums(published, ranges) == {0: _crc(0, 8), 1: _crc(8, 16)}
+
+
+def _gloo_object(_self: Any) -> bytes:
+    """An object of one CPU buffer (N_FLOATS floats) held by this process for the gloo transport; its id."""
+    from rdt._process.context import get_context
+    from rdt._producer.produce import produce
+
+    meta = produce(get_context(), {"w": torch.arange(N_FLOATS, dtype=torch.float32)}, "gloo")
+    _self._sec_meta = meta  # its lifetime token: the object is held while it lives
+    return meta.obj_id
+
+
+def _free_object(_self: Any, obj_id: bytes) -> None:
+    from rdt._process.context import get_context
+
+    get_context().table.free(obj_id)
+    _self._sec_meta = None
+
+
+def _rows(*runs: Tuple[int, int, int, int, int]) -> bytes:
+    """A gloo range plan on the wire from (buffer, offset, length, count, stride) rows."""
+    from rdt.transports.group.ranges import ROW
+
+    return b"".join(ROW.pack(*r) for r in runs)
+
+
+def test_a_gloo_range_request_past_the_objects_buffers_is_refused(pair) -> None:
+    """A group member's REQ_FETCH_RANGES may name only bytes inside the object's buffers: a range past the end, in
+    a buffer the object does not have, or whose end overflows a signed 64-bit sum, is refused before a byte is
+    sent and before the plan is cached; a key that is not the plan's digest is refused too. Failed before for the
+    overflowing range (offset 2**63 - 8, length 16): its end wrapped negative, so it passed the bound and the
+    producer was set to send from an address past its object; the other cases were refused already."""
+    from rdt.transports.group.ranges import HEAD, NEED_PLAN, plan_key
+
+    a, _ = pair
+    handle = rt.create_collective_group(pair, group_name="sec-ranges")
+    obj_id = ray.get(a.__ray_call__.remote(_gloo_object), timeout=60)
+    try:
+        uid, secret = ray.get(a.__ray_call__.remote(_group_secret, "sec-ranges"), timeout=60)
+        address = ray.get(a.__ray_call__.remote(_actor_control), timeout=60)[0]
+
+        def ask(rows: bytes, key: Optional[bytes] = None) -> Tuple[int, bytes]:
+            head = HEAD.pack(1, 0, 1000, plan_key(rows) if key is None else key)  # consumer rank 1, tags, ms
+            return _valid_ping(address, secret, _control.KEY_GROUP, obj_id + bytes.fromhex(uid) + head + rows,
+                               REQ_FETCH_RANGES)
+
+        cases = {
+            "straddles the end": _rows((0, SIZE - 8, 16, 1, 0)),
+            "starts at the end": _rows((0, SIZE, 1, 1, 0)),
+            "a strided row's second run ends past it": _rows((0, 0, 8, 2, SIZE - 4)),
+            "a buffer the object does not have": _rows((1, 0, 8, 1, 0)),
+            "2**62 bytes after a good run": _rows((0, 0, 8, 1, 0), (0, 1 << 62, 1 << 62, 1, 0)),
+            "end 2**63 + 8 (wraps negative in int64)": _rows((0, (1 << 63) - 8, 16, 1, 0)),  # last: before, the
+            # producer went on to send from an address past its object
+        }
+        wrong = []
+        for what, rows in cases.items():
+            answer = ask(rows)
+            if answer[0] != _control.RESP_ERR or "a range lies outside the object's buffers" not in answer[1].decode():
+                wrong.append(f"{what}: answered {answer}")
+            elif ask(b"", plan_key(rows)) != (_control.RESP_OK, NEED_PLAN):
+                wrong.append(f"{what}: refused, but its plan was cached")
+        assert not wrong, wrong
+        good = _rows((0, 0, 8, 1, 0))
+        _refused(ask(_rows((0, 8, 8, 1, 0)), plan_key(good)), "key")  # other rows under a good plan's key
+        assert ask(b"", plan_key(good)) == (_control.RESP_OK, NEED_PLAN)  # ... were not cached under it
+    finally:
+        ray.get(a.__ray_call__.remote(_free_object, obj_id), timeout=60)
+        handle.destroy(timeout=30)

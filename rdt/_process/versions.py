@@ -37,6 +37,7 @@ GRACE_S = 2.0  # a reader is given up on this long after its own deadline
 _BEGIN = struct.Struct("!16sQ16sI")
 _END = struct.Struct("!16s16s")
 _SUMS = struct.Struct("!16s16sI")
+RANGE_BYTES = 24  # a range on the wire: group u32, buffer u32, offset u64, length u64
 
 
 @dataclass
@@ -192,28 +193,44 @@ class Versions:
         return _control.RESP_OK, b"\x01" if held else b"\x00"
 
     def handle_sums(self, payload: bytes) -> Tuple[int, bytes]:
-        """REQ_RANGE_SUMS: CRC-32 per group of a range set of a version being read (cached per plan key)."""
-        obj_id, plan_key, n = _SUMS.unpack_from(payload)
+        """REQ_RANGE_SUMS: CRC-32 per group of a range set of a version being read (cached per plan key).
+
+        A request that carries ranges is served and cached only when its key is their digest (:func:`plan_key`)
+        and every range lies inside the object's buffers: else a holder of the process key could file other ranges
+        under the key of an honest consumer's set, whose ``verify=True`` would then compare its bytes with the
+        wrong checksums."""
+        obj_id, key, n = _SUMS.unpack_from(payload)
+        sent = payload[_SUMS.size:] if n else b""
+        if n and len(sent) != n * RANGE_BYTES:
+            return _control.err(_control.ERR_BAD_REQUEST, f"the range count {n} is not the {len(sent)} bytes of "
+                                                          f"ranges sent ({RANGE_BYTES} bytes each)")
+        if n and plan_key(sent) != key:
+            return _control.err(_control.ERR_BAD_REQUEST, "the ranges sent do not match their key (it must be "
+                                                          "their digest)")
         with self._cond:
             rec = self._records.get(obj_id)
             if rec is None:
                 return _control.err(_control.ERR_VERSION_GONE, self._gone.get(obj_id, "it is no longer held"))
-            cached = self._sums.get((obj_id, plan_key))
+            cached = self._sums.get((obj_id, key))
             if cached is not None:
-                self._sums.move_to_end((obj_id, plan_key))
+                self._sums.move_to_end((obj_id, key))
                 return _control.RESP_OK, b"\x01" + cached
-            ranges = payload[_SUMS.size:] if n else self._plans.get(plan_key)
+            ranges = sent or self._plans.get(key)
             if ranges is None:
                 return _control.RESP_OK, b"\x00"  # send the ranges
-            if n:
-                self._keep_plan(plan_key, ranges)
         buffers = self._buffers(obj_id)
         if buffers is None:
             return _control.err(_control.ERR_NOT_FOUND, "its buffers are not held here")
-        answer = range_sums(buffers, *decode_ranges(ranges))
+        decoded = decode_ranges(ranges)
+        outside = ranges_outside(decoded, [b.numel() for b in buffers])
+        if outside is not None:
+            return _control.err(_control.ERR_BAD_REQUEST, outside)
+        answer = range_sums(buffers, *decoded)
         with self._cond:
+            if sent:
+                self._keep_plan(key, sent)
             if obj_id in self._records:
-                self._sums[(obj_id, plan_key)] = answer
+                self._sums[(obj_id, key)] = answer
                 while len(self._sums) > MAX_SUMS:
                     self._sums.popitem(last=False)
         return _control.RESP_OK, b"\x01" + answer
@@ -264,10 +281,32 @@ def encode_ranges(group: np.ndarray, buf: np.ndarray, off: np.ndarray, n: np.nda
 
 
 def decode_ranges(data: bytes) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    k = len(data) // 24
+    """:func:`encode_ranges`' columns: group and buffer as int64, offset and length as uint64 (a length or offset
+    of 2**63 or more stays what it is rather than wrapping negative; see :func:`ranges_outside`)."""
+    k = len(data) // RANGE_BYTES
     a = np.frombuffer(data, dtype=np.uint8)
     return (a[:4 * k].view(">u4").astype(np.int64), a[4 * k:8 * k].view(">u4").astype(np.int64),
-            a[8 * k:16 * k].view(">u8").astype(np.int64), a[16 * k:].view(">u8").astype(np.int64))
+            a[8 * k:16 * k].view(">u8").astype(np.uint64), a[16 * k:24 * k].view(">u8").astype(np.uint64))
+
+
+def ranges_outside(ranges: Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                   sizes: Sequence[int]) -> Optional[str]:
+    """Why a decoded range set reaches past the buffers of ``sizes`` bytes (None: every range lies inside one).
+    Compared without sums, so that no offset or length can wrap past the check."""
+    _, buf, off, n = ranges
+    if not len(n):
+        return None
+    nbuf = len(sizes)
+    bad = buf >= nbuf
+    size = np.zeros(len(n), dtype=np.uint64)
+    size[~bad] = np.asarray(sizes, dtype=np.uint64)[buf[~bad]]
+    bad |= (off > size) | (n > size - np.minimum(off, size))
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    where = f"buffer {int(buf[i])} of {nbuf}" if buf[i] >= nbuf else f"buffer {int(buf[i])} ({int(size[i])} bytes)"
+    return (f"range {i} ({int(n[i])} bytes at offset {int(off[i])} of {where}) lies outside the object's buffers; "
+            f"{int(bad.sum())} of {len(n)} ranges do")
 
 
 def plan_key(data: bytes) -> bytes:

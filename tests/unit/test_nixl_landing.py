@@ -386,3 +386,88 @@ def test_an_into_target_registration_serves_only_the_storage_it_was_made_for(age
         table.drain()
     assert len(undone) == 1 and len(table) == 1  # the first storage's death undoes nothing twice
     nixl_export.release(producer, entry)
+
+
+class _FakeVram:
+    """Stands in for a VRAM block's tensor on a machine without a GPU: only its device and size are asked."""
+
+    def __init__(self, size: int) -> None:
+        self.device = torch.device("cuda", 0)
+        self.size = size
+
+    def numel(self) -> int:
+        return self.size
+
+
+def _vram_block(consumer: BareContext) -> "weakref.ref[_FakeVram]":
+    """Put a fake VRAM block (with a real registration of a small CPU tensor) in the consumer's idle blocks, past
+    its time: the progress thread gives it up. A weak reference to its stand-in tensor (dead once let go)."""
+    from rdt.transports.nixl.landing import _Block
+
+    fake = _FakeVram(MiB)
+    keep = torch.zeros(MiB, dtype=torch.uint8)
+    pool = _landing(consumer)
+    with consumer.nixl.lock:
+        block = _Block(fake, consumer.nixl.agent.register_memory([keep]))
+        block.since = time.monotonic() - 3600.0
+        pool._idle.append(block)
+    pool.ttl = 0.0
+    ref = weakref.ref(fake)
+    return ref
+
+
+def _spy_syncs(monkeypatch: pytest.MonkeyPatch, hold: Any = None) -> List[tuple]:
+    """Record torch.cuda.synchronize calls as (device, thread name); ``hold``: an event the first call waits on."""
+    calls: List[tuple] = []
+
+    def sync(device: Any = None) -> None:
+        calls.append((device, threading.current_thread().name))
+        if hold is not None and len(calls) == 1:
+            hold.wait(10.0)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    return calls
+
+
+def test_a_retired_vram_block_is_freed_by_trim_without_a_later_fetch(agents, monkeypatch):
+    """Failed before: the progress thread gives up an idle block past its time; a VRAM block's memory then waited
+    in the pool until the next fetch of this process synced its device and let it go, so a consumer that stopped
+    fetching kept it for good. Now the context's periodic trim (``NixlAgent.trim``, on the reaper's thread, no
+    agent lock held) syncs the device and lets it go; the progress thread never syncs."""
+    _, consumer = agents
+    pool = _landing(consumer)
+    syncs = _spy_syncs(monkeypatch)
+    ref = _vram_block(consumer)
+    assert wait_for(lambda: not pool.stats()["idle"] and len(pool._retiring) == 1, timeout=10)
+    time.sleep(0.05)  # many more progress ticks: still held, nothing synced
+    assert ref() is not None and syncs == []
+    consumer.nixl.trim()  # what the context's reaper calls every few seconds
+    gc.collect()
+    assert ref() is None, "the retired block's memory is still held after a trim"
+    assert syncs == [(torch.device("cuda", 0), threading.current_thread().name)]
+    assert not pool._retiring
+    consumer.nixl.trim()  # nothing left: no sync
+    assert len(syncs) == 1
+
+
+def test_a_fetch_that_retires_waits_for_a_retire_under_way(agents, monkeypatch):
+    """A fetch that ran out of VRAM retires given-up blocks, then tries again: when the reaper's trim took them
+    first and is still syncing, the fetch waits for it rather than retrying before their memory is free."""
+    _, consumer = agents
+    pool = _landing(consumer)
+    hold = threading.Event()
+    syncs = _spy_syncs(monkeypatch, hold)
+    ref = _vram_block(consumer)
+    assert wait_for(lambda: len(pool._retiring) == 1, timeout=10)
+    reaper = threading.Thread(target=consumer.nixl.trim, name="reaper")
+    reaper.start()
+    assert wait_for(lambda: len(syncs) == 1, timeout=10)  # the reaper is syncing, the block taken off the queue
+    seen: List[bool] = []
+    fetch = threading.Thread(target=lambda: (pool.retire(), seen.append(ref() is None)), name="fetch")
+    fetch.start()
+    fetch.join(0.2)
+    assert fetch.is_alive() and not seen  # waits for the reaper's retire
+    hold.set()
+    reaper.join(10.0)
+    fetch.join(10.0)
+    assert seen == [True] and syncs == [(torch.device("cuda", 0), "reaper")]

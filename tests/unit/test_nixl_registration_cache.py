@@ -203,3 +203,47 @@ def test_large_or_few_buffers_are_not_packed(agents):
         entry = _entry(value)
         assert not nixl_export.register(producer, entry).packed
         nixl_export.release(producer, entry)
+
+
+# What a NIXL consumer can READ (docs/security.md, "Range reads: who can read which bytes"). The bound is the
+# producer's registration, not the object: these pin what the document states, so that a change to either shows.
+def _descs(info: Any, address: int, nbytes: int) -> Any:
+    """``info`` with one descriptor of the consumer's own making (what a modified consumer may post)."""
+    return nixl_descriptors.NixlInfo(info.agent, info.agent_md, "DRAM", ((address, nbytes, 0),))
+
+
+def test_a_consumer_reaches_the_whole_registered_storage_and_no_further(agents):
+    """An object of a quarter of a storage: its metadata lets a consumer READ every byte of the storage (it is
+    registered whole), also once the object was freed while the storage lives (its registration is kept for the
+    next step's object); a descriptor past the registration, at either end, is refused, on the consumer's side
+    (NIXL finds no registration covering it)."""
+    producer, consumer = agents
+    base = torch.arange(4096, dtype=torch.float32)
+    entry = _entry({"x": base[1024:2048]})
+    info = nixl_export.register(producer, entry)
+    assert info.descs == ((base.data_ptr() + 4096, 4096, 0),)  # the object: bytes [4096, 8192) of 16 KiB
+    whole = _descs(info, base.data_ptr(), base.numel() * 4)
+    got = nixl_read.read_object(consumer, whole, torch.device("cpu"), timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), base)  # bytes the object does not hold
+    nixl_export.release(producer, entry)
+    assert producer.nixl.registrations.idle() == 1
+    got = nixl_read.read_object(consumer, whole, torch.device("cpu"), timeout=30.0)
+    assert torch.equal(got[0].view(torch.float32), base)  # and after it was freed
+    for address, nbytes in ((base.data_ptr(), base.numel() * 4 + 4096), (base.data_ptr() - 64, 128)):
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            nixl_read.read_object(consumer, _descs(info, address, nbytes), torch.device("cpu"), timeout=30.0)
+
+
+def test_a_packed_block_reused_for_a_later_object_is_read_with_an_earlier_objects_metadata(agents):
+    """A packed object's bytes are copied into a pooled registered block; freed, the block serves the next packed
+    object, so the metadata of the first reaches the second's bytes."""
+    producer, consumer = agents
+    first = _entry([torch.full((100,), 1.0) for _ in range(64)])
+    old = nixl_export.register(producer, first)
+    nixl_export.release(producer, first)
+    later = [torch.full((100,), 2.0) for _ in range(64)]
+    second = _entry(later)
+    nixl_export.register(producer, second)
+    got = nixl_read.read_object(consumer, old, torch.device("cpu"), timeout=30.0)  # the first object's metadata
+    assert all(torch.equal(a, b) for a, b in zip(second.flat.specs.rebuild(got), later))
+    nixl_export.release(producer, second)

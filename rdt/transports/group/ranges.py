@@ -137,8 +137,31 @@ def encode(buf: np.ndarray, off: np.ndarray, n: np.ndarray) -> bytes:
     return rows.tobytes()
 
 
-def decode(rows: bytes) -> Plan:
-    """The plan of encoded rows; ValueError when they are malformed or expand to over RUNS_MAX runs."""
+class RangesOutside(ValueError):
+    """A plan names bytes outside the buffers it is served from."""
+
+
+def outside(buf: np.ndarray, off: np.ndarray, n: np.ndarray, sizes: np.ndarray) -> Optional[str]:
+    """Why runs reach past buffers of ``sizes`` bytes (None: each lies inside its buffer). Compared as
+    ``off <= size - n``, never as a sum: an offset near 2**63 plus its length wraps negative in int64."""
+    if not len(n):
+        return None
+    known = buf < len(sizes)
+    size = np.zeros(len(n), np.int64)
+    size[known] = sizes[buf[known]]
+    bad = ~known | (off < 0) | (n < 0) | (off > size - n)
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    where = f"buffer {int(buf[i])} of {len(sizes)}" if not known[i] else f"buffer {int(buf[i])} ({int(size[i])} bytes)"
+    return (f"a range lies outside the object's buffers: run {i} ({int(n[i])} bytes at offset {int(off[i])} of "
+            f"{where}), and {int(bad.sum()) - 1} more")
+
+
+def decode(rows: bytes, sizes: Optional[np.ndarray] = None) -> Plan:
+    """The plan of encoded rows; ValueError when they are malformed or expand to over RUNS_MAX runs, and
+    :class:`RangesOutside` when ``sizes`` (the bytes of each buffer served from) are given and a run reaches past
+    them (checked before the stream is cut into messages, whose count grows with the bytes named)."""
     if len(rows) % ROW.size:
         raise ValueError(f"{len(rows)} bytes of rows is not a multiple of {ROW.size}")
     r = np.frombuffer(rows, dtype=[("b", ">u4"), ("o", ">u8"), ("n", ">u8"), ("c", ">u4"), ("s", ">u8")])
@@ -152,6 +175,10 @@ def decode(rows: bytes) -> Plan:
     n = np.repeat(r["n"].astype(np.int64), count)
     if len(n) and n.min() < 1:
         raise ValueError("a run of no bytes")
+    if sizes is not None:
+        why = outside(buf, off, n, sizes)
+        if why is not None:
+            raise RangesOutside(why)
     ends = np.cumsum(n)
     return Plan(buf, off, n, ends - n, ends, int(ends[-1]) if len(ends) else 0, *_messages(n, ends - n, ends))
 
@@ -406,11 +433,15 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
         return err(_control.ERR_BAD_REQUEST, "ranges are served over gloo for CPU objects only")
     st = state(ctx)
     rows = payload[32 + HEAD.size:]
+    bases, sizes = (np.array(c, np.int64) for c in zip(*entry.flat.ranges)) if len(entry.flat.table) \
+        else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     if rows:
         if plan_key(rows) != key:
             return err(_control.ERR_BAD_REQUEST, "the range plan does not match its key")
         try:
-            plan = decode(rows)
+            plan = decode(rows, sizes)  # refused before it is cached, or cut into messages, if it reaches past
+        except RangesOutside as e:
+            return err(_control.ERR_BAD_REQUEST, str(e))
         except ValueError as e:
             return err(_control.ERR_BAD_REQUEST, f"malformed range plan: {e}")
         st.keep((uid, rank, key), plan)
@@ -419,11 +450,9 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
         plan = st.plan((uid, rank, key))
         if plan is None:
             return _control.RESP_OK, NEED_PLAN
-    bases, sizes = (np.array(c, np.int64) for c in zip(*entry.flat.ranges)) if len(entry.flat.table) \
-        else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    if len(plan.n) and (plan.buf.max() >= len(sizes) or plan.off.min() < 0
-                        or (plan.off + plan.n > sizes[plan.buf]).any()):
-        return err(_control.ERR_BAD_REQUEST, "a range lies outside the object's buffers")
+        why = outside(plan.buf, plan.off, plan.n, sizes)  # a plan made for another object of the group
+        if why is not None:
+            return err(_control.ERR_BAD_REQUEST, why)
     wait_ready(entry)
     deadline = time.monotonic() + wait_ms / 1000.0
     ctx.stats.add("gloo", "out", plan.total)

@@ -149,8 +149,11 @@ class NixlAgent(TransportState):
         return not self._thread.is_alive()
 
     def trim(self) -> None:
-        """The context's reaper: drop the registrations of storages that died since."""
+        """The context's reaper (its own thread, no agent lock held): drop the registrations of storages that died
+        since, and free the VRAM of landing blocks given up since (a device sync, which must not run under the
+        agent's lock or on the progress thread; without this it waited for the next fetch)."""
         self.registrations.sweep()
+        self.landing.retire()
 
     def close(self) -> None:
         """At shutdown, after every object was released (and its memory deregistered): stop the progress thread,

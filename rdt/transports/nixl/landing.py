@@ -15,12 +15,18 @@ reuse, each for at most ``ttl`` seconds; the rest are deregistered.
 
 Finalizers may run on any thread, also one that holds the agent's lock, so they only enqueue the block's key;
 whoever holds the agent's lock next (the progress thread every few ms, or the next fetch) takes it back.
+
+A VRAM block given up (past ``ttl``, beyond the bounds) is deregistered at once, but its memory is let go only after
+a sync of its device, outside the agent's lock and off the progress thread (:meth:`LandingPool.retire`): by the
+next fetch, or by the context's periodic trim (``NixlAgent.trim``), whichever comes first, so that a process that
+stops fetching does not keep it.
 """
 
 from __future__ import annotations
 
 import collections
 import queue
+import threading
 import time
 import weakref
 from typing import Any, Dict, List, Optional
@@ -73,9 +79,11 @@ class LandingPool:
         self._cuda_alias = True  # until torch fails to alias a VRAM block once: then VRAM reads register per read
         self.hits = 0  # fetches that landed in an idle block
         self.made = 0  # blocks registered over the pool's life
-        # VRAM of blocks given up, deregistered: freed by retire() on a fetching thread, after its device finished
-        # what the callers queued on it (never under the agent's lock, never on the progress thread)
+        # VRAM of blocks given up, deregistered: freed by retire() (a fetching thread, or the context's trim) after
+        # its device finished what the callers queued on it (never under the agent's lock, never on the progress
+        # thread); one retire at a time, so that a fetch that retires to make room waits for one in progress
         self._retiring: "collections.deque[torch.Tensor]" = collections.deque()
+        self._retire_lock = threading.Lock()
 
     def take(self, ctx: Any, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
         """A fresh uint8 tensor of ``nbytes`` on ``device`` whose memory is registered with NIXL until the caller
@@ -189,22 +197,25 @@ class LandingPool:
                 self._retiring.append(b.tensor)
 
     def retire(self) -> None:
-        """Free the VRAM of given-up blocks once their devices finished what was queued on them. Called by a
-        fetching thread without the agent's lock; cheap when there is none."""
-        if not self._retiring:
+        """Free the VRAM of given-up blocks once their devices finished what was queued on them. Called without the
+        agent's lock, by a fetching thread and by the context's trim (``NixlAgent.trim``); cheap when there is
+        none. One at a time: a caller that finds another retire under way waits for it, so that a fetch retrying
+        after running out of memory finds that memory freed."""
+        if not self._retiring and not self._retire_lock.locked():
             return
-        tensors = []
-        while True:
-            try:
-                tensors.append(self._retiring.popleft())
-            except IndexError:
-                break
-        for dev in {t.device for t in tensors}:
-            try:
-                torch.cuda.synchronize(dev)
-            except Exception:  # noqa: BLE001 - a broken context: nothing more runs on it
-                pass
-        tensors.clear()
+        with self._retire_lock:
+            tensors = []
+            while True:
+                try:
+                    tensors.append(self._retiring.popleft())
+                except IndexError:
+                    break
+            for dev in {t.device for t in tensors}:
+                try:
+                    torch.cuda.synchronize(dev)
+                except Exception:  # noqa: BLE001 - a broken context: nothing more runs on it
+                    pass
+            tensors.clear()
 
     def _deregister(self, block: _Block) -> None:
         try:
