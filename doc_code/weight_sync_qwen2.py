@@ -63,7 +63,7 @@ class Size:
     kv_heads: int = 4  # grouped-query attention: 2 query heads per KV head, 2 KV heads per engine rank
     rope_theta: float = 1e6
     eps: float = 1e-6
-    steps: int = 3  # optimizer steps; the engines are checked after each (and before the first)
+    steps: int = 2  # optimizer steps; the engines are checked after each (and before the first)
     batch: int = 8  # training sequences per trainer rank per step
     seq: int = 32
     lr: float = 3e-3
@@ -83,8 +83,9 @@ def qwen2_config(size: Size):
     return Qwen2Config(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.inter,
                        num_hidden_layers=size.layers, num_attention_heads=size.heads,
                        num_key_value_heads=size.kv_heads, max_position_embeddings=max(size.seq, 64) * 2,
-                       rope_theta=size.rope_theta, rms_norm_eps=size.eps, tie_word_embeddings=True,
-                       attn_implementation="eager", torch_dtype=torch.float32)
+                       rope_parameters={"rope_type": "default", "rope_theta": size.rope_theta},
+                       rms_norm_eps=size.eps, tie_word_embeddings=True, attn_implementation="eager",
+                       dtype=torch.float32)
 
 
 def batch(size: Size, n: int, length: int, seed: int) -> torch.Tensor:
@@ -324,13 +325,13 @@ class Engine:
 
         def all_reduce(t: torch.Tensor) -> None:
             if tp > 1:
-                col.allreduce(t, TP_GROUP, timeout=30.0)
+                col.allreduce(t, TP_GROUP, timeout=60.0)
 
         def all_gather(t: torch.Tensor) -> List[torch.Tensor]:
             if tp == 1:
                 return [t]
             out = [torch.empty_like(t) for _ in range(tp)]
-            col.allgather(out, t, TP_GROUP, timeout=30.0)
+            col.allgather(out, t, TP_GROUP, timeout=60.0)
             return out
 
         self.model = TPQwen2(self.params, size, tp, rank, all_reduce, all_gather)
