@@ -7,7 +7,6 @@ the same in an actor, a task or the driver.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ from typing import Any, List, Sequence
 import torch
 
 from .._objects.meta import ObjectMeta
-from .._consumer.jobs import Job, tensors_of
+from .._consumer.jobs import Job, run_async, tensors_of
 from ..errors import IntoMismatchError, InvalidArgumentError, TensorInUseError, TransferTimeoutError
 
 MAX_PARALLEL = 8  # fetches of one rdt.get([...]) that run at once
@@ -100,14 +99,8 @@ async def get_async(refs: Any, *, into: Any = None, timeout: float = 60.0) -> An
     Cancelling the awaiting task cannot stop a fetch already running: it goes on until it ends (at most
     ``timeout``), so its ``into`` targets stay marked busy until then and a later fetch into them waits for it.
     """
-    loop = asyncio.get_running_loop()
-    job = Job(_context(), functools.partial(get, refs, into=into, timeout=timeout), _tensors_in(into),
-              "an rdt.get_async")
-    try:
-        return await loop.run_in_executor(None, job)
-    except asyncio.CancelledError:
-        job.abandon()
-        raise
+    return await run_async(Job(_context(), functools.partial(get, refs, into=into, timeout=timeout),
+                               _tensors_in(into), "an rdt.get_async"))
 
 
 def _refuse_shared_across(intos: Sequence[Any]) -> None:

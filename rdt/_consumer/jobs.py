@@ -12,6 +12,7 @@ every fetch or load into targets first waits for them to be free (:func:`wait_fr
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import threading
 import time
@@ -80,6 +81,16 @@ class Job(Generic[T]):
                     tensors, f"{self.what}, whose caller stopped waiting (it cannot be stopped; it ends within "
                     "its own timeout)")
                 self._kept = [t.untyped_storage() for t in tensors]  # not freed if param.data is swapped
+
+
+async def run_async(job: Job[T]) -> T:
+    """Run ``job`` on the event loop's executor and await it (an async actor's loop keeps serving). A cancelled
+    awaiter abandons it: not begun, it never begins; running, it goes on with its targets busy until it ends."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, job)
+    except asyncio.CancelledError:
+        job.abandon()
+        raise
 
 
 def run_all(pool: ThreadPoolExecutor, jobs: Sequence[Job[T]], deadline: float) -> List[Any]:

@@ -5,7 +5,6 @@ once through the consumer's range road (``rdt._consumer.ranges``), straight into
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -129,16 +128,10 @@ class WeightLoader:
         awaiting task cannot stop a load already running: it goes on until it ends (within ``timeout``), its
         targets stay marked busy and the loader held until then, so the next load waits for it; a load not yet
         begun never begins."""
-        loop = asyncio.get_running_loop()
         targets = [t for w in self._wants for t in (w.target, w.landing) if t is not None]
-        job = jobs.Job(get_context(), functools.partial(self.load, source, timeout=timeout, verify=verify),
-                       targets + (self._plan.stagings() if self._plan is not None else []),
-                       "a WeightLoader.load_async")
-        try:
-            return await loop.run_in_executor(None, job)
-        except asyncio.CancelledError:
-            job.abandon()
-            raise
+        return await jobs.run_async(jobs.Job(
+            get_context(), functools.partial(self.load, source, timeout=timeout, verify=verify),
+            targets + (self._plan.stagings() if self._plan is not None else []), "a WeightLoader.load_async"))
 
     def share(self, *, tensor_transport: str = "auto", timeout: float = 60.0) -> Replica:
         """Inside an actor, after a load that succeeded: offer the version the targets hold to the loaders with the
