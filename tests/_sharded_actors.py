@@ -216,6 +216,12 @@ class Consumer:
     """An engine rank: its targets, and a loader that fills them."""
 
     def __init__(self, rank: int, tp: int) -> None:
+        self.rank, self.tp = rank, tp
+        self.reset()
+
+    def reset(self) -> None:
+        """A new loader with fresh targets (what a new actor would have, without starting one)."""
+        rank, tp = self.rank, self.tp
         self.loader = rdt.WeightLoader()
         self.targets: Dict[str, torch.Tensor] = {}
         ref = expected(rank, tp, 0)
