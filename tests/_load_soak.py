@@ -207,7 +207,7 @@ class Soak:
         self.group: Optional[str] = None
         self.members: List[Any] = []
         self.steps: List[Dict[str, Any]] = []
-        self.pids: Dict[int, int] = {}  # trainer handle id -> its pid
+        self.pids: Dict[str, int] = {}  # trainer actor id -> its pid
         self.seed = seed
 
     def _group(self) -> None:
@@ -240,9 +240,10 @@ class Soak:
         trainer1 = self.trainers[1]
         if kind == "kill":
             self._replace_rank1()
-        pid = self.pids.get(id(trainer1)) if kind == "stop" else None
+        key = trainer1._actor_id.hex()
+        pid = self.pids.get(key) if kind == "stop" else None
         if kind == "stop" and pid is None:
-            pid = self.pids[id(trainer1)] = ray.get(trainer1.pid.remote(), timeout=30)
+            pid = self.pids[key] = ray.get(trainer1.pid.remote(), timeout=30)
         if pid is not None:
             freeze(pid)
         try:
