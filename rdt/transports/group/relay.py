@@ -26,6 +26,8 @@ from ..base import TransportState
 
 CHUNK = 4 << 20  # bytes per relayed message at most: a 4-worker sync of 988 MB takes ~790 ms, ~850 with 1 MiB
 # chunks (four times the Gloo operations), and no less with 16 MiB ones (a longer pipeline fill)
+BOUNCE_SLOTS = 2  # chunk-sized slots a member fed by a relay receives into before copying to into= targets: two
+# keep a receive posted while the last chunk is copied (8 MiB a fetch, not a copy of the object)
 PARK_MAX = 4  # fetches whose receives from a stalled relay are parked, per process, beyond which none is chained
 PARK_MIN_S = 60.0  # a parked receive waits at least this long past its fetch's deadline for the relay to send
 

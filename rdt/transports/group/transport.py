@@ -19,6 +19,7 @@ import logging
 import struct
 import threading
 import time
+from collections import deque
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -33,7 +34,7 @@ from ..._control.peer import control_request, died, producer_alive
 from ..._objects.meta import GroupRef, ObjectMeta
 from ...errors import NoCollectiveGroupError, ObjectFetchError
 from ..base import Capabilities, Fetched, Ranges, Served, Site, Transport, Unusable
-from ..receive import block_views, landing, padded_offsets
+from ..receive import block_views, fresh_bytes, landing, padded_offsets
 from . import ranges as _ranges, relay as _relay
 from .protocol import (FLAG_PACKED, FLAG_RELAY, FLAG_RESUME, REQ_FETCH_GROUP, REQ_FETCH_RANGES, REQ_RELAY_NEXT,
                        message_sizes, messages, waits_for_go)
@@ -185,36 +186,36 @@ def _fetch_chained(ctx: Any, meta: ObjectMeta, group: Any, ref: GroupRef, site: 
     if mode != _relay.MODE_RELAY:
         raise ObjectFetchError(f"the producer of {meta.describe()} answered with an unknown relay mode {mode}",
                                object_id=meta.id_hex)
-    landing_ = _ChainLanding(ctx, site, meta.buffers.sizes, direct=source == ref.rank)
+    landing_ = _ChainLanding(ctx, site, meta.buffers.sizes)
     receive = _RelayReceive(ctx, meta, group, ref, landing_, cid, deadline)
     _watching_producer(ctx, meta, lambda: receive.run(source, position, tag_base),
                        [t for t in site.into if t is not None], landing_)
     return landing_.result()
 
 
-def _target(site: Site, i: int, nbytes: int) -> Optional[torch.Tensor]:
-    """The caller's CPU target for buffer ``i`` (``rdt.get(into=...)``), if it has one of the right size."""
-    t = site.into[i] if i < len(site.into) else None
-    return t if t is not None and t.numel() == nbytes and t.device.type == "cpu" else None
-
-
 class _ChainLanding:
     """Where a chained fetch's chunks land.
 
-    A chain's head is fed by the producer alone and lands like a plain fetch (in the caller's targets; packed runs
-    in staging, copied at the end). A member fed by another consumer lands in a pooled block that the caller gets
-    (or that is copied into its targets) only once every chunk is in: a receive posted to a relay that stalls
-    cannot be cancelled and may land whenever that relay goes on, so the member leaves such receives parked
-    with the block they land in and moves on to a fresh block (:meth:`move`).
+    A receive posted to a relay that stalls cannot be cancelled and may land whenever that relay goes on, so no
+    such receive is ever posted into memory the caller gets.
+
+    With ``rdt.get(into=...)`` every member lands in the caller's targets, as a plain fetch does (packed runs of
+    small buffers in staging, copied at the end): chunks from the producer straight in, chunks from a relay through
+    a few pooled bounce slots (:meth:`bounce_slots`, :class:`_Phase`), each copied in as it arrives while the fetch
+    still waits for it. Receives left posted to a stalled relay stay parked with their slots, never the targets,
+    and the rest comes from the producer straight into the targets; the extra memory is the slots, not a copy of
+    the object. Without targets the chunks land in one pooled block, which is the result; a member leaving a
+    stalled relay parks the receives with that block and moves on to a fresh one (:meth:`move`).
     """
 
-    def __init__(self, ctx: Any, site: Site, sizes: List[int], direct: bool) -> None:
+    def __init__(self, ctx: Any, site: Site, sizes: List[int]) -> None:
         self.ctx, self.site, self.sizes = ctx, site, sizes
         self.msgs = messages(sizes)
-        self.block: Optional[Any] = None  # BlockViews, unless the head lands in the caller's targets
+        self.block: Optional[Any] = None  # BlockViews, unless we land in the caller's targets
         self.bufs: List[torch.Tensor] = []
         self.scatter: List[Tuple[torch.Tensor, int, int]] = []  # (staging, first, last buffer) of packed runs
-        if direct and site.into:
+        self.in_place = bool(site.into)
+        if self.in_place:
             offsets, _ = padded_offsets(sizes)
             self.bufs = [landing(ctx, site, i, nb) for i, nb in enumerate(sizes)]
             views = []
@@ -237,69 +238,101 @@ class _ChainLanding:
         """What the receives posted now land in (held while they may still land)."""
         return self.block if self.block is not None else (self.bufs, self.scatter)
 
+    def bounce_slots(self, first: int) -> Optional[List[torch.Tensor]]:
+        """Pooled slots (each the size of the largest chunk from ``first`` on) that receives of chunks ``first``..
+        from a relay land in before they are copied to :attr:`parts`; None: they land in :attr:`parts` itself (a
+        block of ours, not the caller's targets)."""
+        if not self.in_place or first >= len(self.parts):
+            return None
+        size = max(p.numel() for p in self.parts[first:])
+        count = min(_relay.BOUNCE_SLOTS, len(self.parts) - first)
+        return [fresh_bytes(self.ctx, max(size, 1), torch.device("cpu")) for _ in range(count)]
+
     def move(self, upto: int) -> None:
         """Land chunks ``upto``.. in a fresh block (the current one stays with receives that may still land
-        there); chunks before ``upto`` are copied over."""
+        there); chunks before ``upto`` are copied over. Landing in the caller's targets, nothing moves: receives
+        from a relay never land there, only in their phase's bounce slots."""
+        if self.in_place:
+            return
         old = self.parts
         self.parts = self._fresh()
         copy_parts([(new.data_ptr(), was.data_ptr(), was.numel()) for new, was in zip(self.parts[:upto], old)])
 
     def result(self) -> Sequence[torch.Tensor]:
-        """The fetched buffers, once every chunk is in: the caller's targets where it gave them."""
-        sizes, offsets = self.sizes, padded_offsets(self.sizes)[0]
-        if self.block is None:
-            for staging, first, last in self.scatter:
-                base = staging.data_ptr() - offsets[first]
-                copy_parts([(self.bufs[k].data_ptr(), base + offsets[k], sizes[k]) for k in range(first, last + 1)
-                            if sizes[k]])
-            return self.bufs
-        if not self.site.into:
+        """The fetched buffers, once every chunk is in: the caller's targets where it gave them (packed runs copied
+        in from staging), else the block."""
+        if self.block is not None:
             return self.block
-        out: List[torch.Tensor] = []
-        copies: List[Tuple[int, int, int]] = []
-        base = self.block.block.data_ptr()
-        for i, nb in enumerate(sizes):
-            t = _target(self.site, i, nb)
-            if t is None or not nb:
-                out.append(self.block[i])
-            else:
-                copies.append((t.data_ptr(), base + offsets[i], nb))
-                out.append(t)
-        copy_parts(copies)
-        return out
+        sizes, offsets = self.sizes, padded_offsets(self.sizes)[0]
+        for staging, first, last in self.scatter:
+            base = staging.data_ptr() - offsets[first]
+            copy_parts([(self.bufs[k].data_ptr(), base + offsets[k], sizes[k]) for k in range(first, last + 1)
+                        if sizes[k]])
+        return self.bufs
 
 
 class _Phase:
-    """The posted receives of chunks ``first``.. from one source, waited on in order on a relay waiter thread
-    (chunks from one peer land in order). The fetch only watches :attr:`landed`: it never gives Gloo a timeout
-    of its own, since a Gloo receive that times out closes every connection of this rank (Gloo cannot cancel it).
+    """The receives of chunks ``first``.. from one source, waited on in order on a relay waiter thread (chunks
+    from one peer land in order). The fetch only watches :attr:`landed`: it never gives Gloo a timeout of its
+    own, since a Gloo receive that times out closes every connection of this rank (Gloo cannot cancel it).
 
     Receives from the producer wait until the fetch's deadline (a timeout then errors the group, as for a plain
     fetch). Receives from a relay wait until ``until``, well past it: when the relay stalls the fetch moves on
     and leaves them *parked* here, with the memory they land in, until the relay sends (it forwards what it owes
     once it goes on), dies or the group is aborted; only a relay stalled past ``until`` breaks the group.
+
+    Without ``slots`` every receive is posted at once, into ``parts`` (held by ``keep``). With ``slots`` (a relay
+    feeding the caller's targets) one receive per slot is posted at a time: a chunk that arrived is copied from
+    its slot into ``parts`` under the fetch's lock unless the phase was parked, and the slot takes the receive of
+    the chunk ``len(slots)`` further on. A parked phase lets go of ``parts`` and goes on receiving into its slots
+    alone, so the relay's forwards all end (Gloo sends a message only once its receive is posted) and its late
+    bytes land nowhere the caller sees.
     """
 
-    def __init__(self, source: int, first: int, works: List[Any], keep: Any, until: float,
-                 cond: threading.Condition) -> None:
+    def __init__(self, source: int, first: int, parts: List[torch.Tensor],
+                 post: Callable[[int, torch.Tensor], Any], keep: Any, until: float, cond: threading.Condition,
+                 slots: Optional[List[torch.Tensor]] = None) -> None:
         self.source = source
-        self.landed = first  # every chunk before this one is in
+        self.landed = first  # every chunk before this one is in ``parts``
         self.error: Optional[BaseException] = None
         self.done = False  # the waiter ended: nothing more will land
         self.parked = False  # the fetch moved on while receives were still posted
-        self._works: Optional[List[Any]] = works
-        self._keep = keep
+        self._first = first
+        self._parts: Optional[List[torch.Tensor]] = parts  # None once parked, when bouncing
+        self._sizes = [p.numel() for p in parts]
+        self._post = post
+        self._slots = slots
+        self._keep = keep if slots is None else slots  # what the posted receives land in
         self._until = until
         self._cond = cond
+        ahead = len(parts) - first if slots is None else len(slots)
+        self._works: Optional["deque[Any]"] = deque(post(k, self._dest(k)) for k in range(first, first + ahead))
+
+    def _dest(self, k: int) -> torch.Tensor:
+        """Where chunk ``k``'s receive lands: its part, or (bouncing) the front of its slot."""
+        if self._slots is None:
+            return self._parts[k]  # type: ignore[index]
+        return self._slots[(k - self._first) % len(self._slots)][:self._sizes[k]]
 
     def wait(self, on_parked_end: Callable[["_Phase"], None]) -> None:
-        """(waiter thread) Wait for each receive in turn; then drop the receives and their memory."""
+        """(waiter thread) Wait for each receive in turn (bouncing: copy it in, post the slot's next one); then
+        drop the receives and their memory."""
+        slots = self._slots
         try:
-            for w in self._works or ():
-                w.wait(max(self._until - time.monotonic(), 1e-3))
+            k = self._first
+            while self._works:
+                self._works.popleft().wait(max(self._until - time.monotonic(), 1e-3))
                 with self._cond:
-                    self.landed += 1
+                    if slots is None:
+                        self.landed += 1
+                    elif self._parts is not None:  # not parked: the caller still waits for these bytes
+                        src = self._dest(k)
+                        copy_parts([(self._parts[k].data_ptr(), src.data_ptr(), src.numel())])
+                        self.landed += 1
                     self._cond.notify_all()
+                if slots is not None and k + len(slots) < len(self._sizes):
+                    self._works.append(self._post(k + len(slots), self._dest(k + len(slots))))
+                k += 1
         except Exception as e:  # noqa: BLE001 - the fetch reads it (or, parked, on_parked_end)
             with self._cond:
                 self.error = _without_frames(e)
@@ -307,17 +340,20 @@ class _Phase:
             with self._cond:
                 self.done = True
                 parked = self.parked
-                self._works = self._keep = None
+                self._works = self._keep = self._parts = self._slots = None
                 self._cond.notify_all()
             if parked:
                 on_parked_end(self)
 
     def park(self) -> bool:
-        """Leave the receives still posted to the waiter (False: none is, nothing to park)."""
+        """Leave the receives still posted to the waiter (False: none is, nothing to park); bouncing, nothing of
+        the caller's is written or held from now on."""
         with self._cond:
             if self.done:
                 return False
             self.parked = True
+            if self._slots is not None:
+                self._parts = None
             return True
 
 
@@ -394,11 +430,17 @@ class _RelayReceive:
         self._finish_forwards()
 
     def _phase(self, source: int, tag_base: int, first: int) -> _Phase:
-        """Post the receives of chunks ``first``.. from ``source`` and start waiting for them."""
-        works = [self.group.backend.irecv(self.parts[k], source, make_tag(TAG_OBJECT, tag_base + k))
-                 for k in range(first, len(self.parts))]
-        until = self.deadline if source == self.ref.rank else self.park_until
-        phase = _Phase(source, first, works, self.landing.keep(), until, self.cond)
+        """Post the receives of chunks ``first``.. from ``source`` and start waiting for them (from a relay into
+        the caller's targets: through bounce slots, see :class:`_ChainLanding`)."""
+        backend = self.group.backend
+
+        def post(k: int, buf: torch.Tensor) -> Any:
+            return backend.irecv(buf, source, make_tag(TAG_OBJECT, tag_base + k))
+
+        relay = source != self.ref.rank
+        slots = self.landing.bounce_slots(first) if relay else None
+        phase = _Phase(source, first, self.parts, post, self.landing.keep(), self.park_until if relay else
+                       self.deadline, self.cond, slots)
         self.table.waiters().submit(phase.wait, functools.partial(
             _parked_end, self.table, self.group, self.meta.id_hex, self.park_until - self.deadline))
         return phase
@@ -458,7 +500,8 @@ class _RelayReceive:
 
     def _resume(self, relay: int, k: int, cause: str, broken: bool) -> _Phase:
         """Our source ``relay`` failed or stalled at chunk ``k``: ask the producer for chunks k.. directly, landing
-        in a fresh block (what we posted to the relay may still land in the old one, which the caller never gets).
+        in the caller's targets or a fresh block (what we posted to the relay may still land in its bounce slots or
+        the old block, which the caller never gets).
         ``broken``: its connection failed (it died), so our view of the group is ERRORED if the producer cannot
         be asked either."""
         group, meta, producer = self.group, self.meta, self.ref.rank
