@@ -4,8 +4,8 @@ bounded host staging, and the whole-fetch fallback copied out with torch ops.
 
 * :func:`annotate` adds to a read's :class:`~rdt.transports.Ranges` each range's target index and offset, the
   runs batched into copy descriptors (``rdt._objects.device_runs``, once per plan) and the caller's stream mark.
-* :func:`via_host`: a transport that lands ranges in CPU memory only (the shm direct read, gloo ranges, a NIXL
-  DRAM READ) serves GPU targets chunk by chunk: each chunk of at most :data:`STAGING` bytes is read into one of two
+* :func:`via_host`: a transport that lands ranges in CPU memory only (the shm direct read, gloo ranges) serves GPU
+  targets chunk by chunk (NIXL READs a CPU object's ranges straight into GPU targets): each chunk of at most :data:`STAGING` bytes is read into one of two
   host staging buffers, uploaded into one of two device staging buffers and scattered into the targets there, on
   the loader's stream; a host buffer is refilled only once its upload finished. At most 2 x STAGING bytes on each
   side per producer rank read, whatever the load's size. Labelled ``<label>+h2d``.
