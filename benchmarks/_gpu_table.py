@@ -29,7 +29,8 @@ def format_markdown(rows: List[Dict[str, Any]]) -> str:
     lines = ["| case | size | median ms | GB/s | path | note |", "|---|---|---|---|---|---|"]
     for r in rows:
         ms = f"{r['median_s'] * 1e3:.3f}" if "median_s" in r else ""
-        note = clip(" ".join(str(r.get("error") or r.get("skipped") or "").replace("|", "/").split()), 400)
+        note = clip(" ".join(str(r.get("error") or r.get("skipped") or r.get("note") or "").replace("|", "/")
+                             .split()), 400)
         lines.append(f"| {r['case']} | {int(r['bytes']) >> 20} MiB | {ms} | {r.get('GB/s', '')} | "
                      f"{r.get('path', '')} | {note} |")
     return "\n".join(lines)

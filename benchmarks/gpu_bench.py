@@ -1,8 +1,10 @@
 """The GPU benchmark that ``scripts/gpu-check`` runs on a machine with a GPU: every GPU path of rdt's object layer.
 
 Cases: cuda_ipc copy and map, NIXL VRAM->VRAM (also with UCX's own defaults for the actors' UCX_NET_DEVICES and
-UCX_TLS, with the protocols UCX chose), a NIXL object read by a consumer without CUDA, ``auto``, ``rdt.get(...,
-into=)`` on a GPU target (where this build has it), ``ray.get`` on the driver, and NCCL where two GPUs exist. Each
+UCX_TLS, and with UCX told to use its CUDA IPC and copy transports, each with the protocols UCX chose), a NIXL object
+read by a consumer without CUDA, ``auto``, ``rdt.get(..., into=)`` on a GPU target (where this build has it),
+``ray.get`` on the driver, a sharded weight sync of Qwen2.5-0.5B's shapes over CUDA IPC (``_gpu_sharded``: one
+row), and NCCL where two GPUs exist. Each
 is timed as ``ray.get(consumer.consume.remote(producer.make.remote()))`` on the driver (the objects suite's
 method), the producer returning the same kept tensor every time (weights returned every step), the median of
 ``--iters`` after warm-ups; the path that served is read from the consumer's ``rdt.stats()`` and every checksum is
@@ -24,10 +26,15 @@ import torch
 
 import rdt
 
+from ._gpu_sharded import CASE as SHARDED_CASE
 from ._gpu_table import error_text, format_markdown  # noqa: F401 - re-exported
 
 PAGE_FLOATS = 1024
 UCX_DEFAULTS_CASE = "nixl VRAM->VRAM (UCX defaults)"
+# The 0.5 GB/s of NIXL VRAM->VRAM on one GPU (docs/gpu.md): UCX told to use its CUDA IPC and copy transports, and
+# its protocol table printed, to see whether they are there and chosen (a fallback through host memory over TCP
+# would explain the rate).
+UCX_CUDA_CASE = "nixl VRAM->VRAM (UCX_TLS=cuda_ipc,cuda_copy)"
 
 
 @ray.remote
@@ -115,13 +122,16 @@ def _time(fn: Callable[[], List[Any]], want: float, iters: int, warmup: int) -> 
 
 
 # The cases in the order they run: the riskiest last (a hang there costs only what comes after it).
-CASES = ["cuda_ipc copy", "cuda_ipc map", "auto", "ray.get on the driver", "nixl VRAM->VRAM", "rdt.get(into=) GPU",
-         "nixl object, consumer without CUDA", UCX_DEFAULTS_CASE, "nccl"]
+CASES = ["cuda_ipc copy", "cuda_ipc map", "auto", "ray.get on the driver", SHARDED_CASE, "nixl VRAM->VRAM",
+         "rdt.get(into=) GPU", "nixl object, consumer without CUDA", UCX_DEFAULTS_CASE, UCX_CUDA_CASE, "nccl"]
 CALL_TIMEOUT_S = 60
 # UCX's own defaults for the actors of UCX_DEFAULTS_CASE (every transport and device: the machine has no network
 # peer to reach anyway), and its protocol table printed to their captured stdio.
 UCX_DEFAULT_ENV = {"UCX_NET_DEVICES": "all", "UCX_TLS": "all", "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 UCX_CAPTURE = "/tmp/rdt-gpu-bench-ucx-{}.log"
+UCX_CUDA_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp", "UCX_NET_DEVICES": "all", "UCX_PROTO_INFO": "y",
+                "UCX_WARN_UNUSED_ENV_VARS": "n"}
+UCX_PAIRS = {UCX_DEFAULTS_CASE: ("ua", "ub"), UCX_CUDA_CASE: ("ia", "ib")}
 
 
 class _Actors:
@@ -138,11 +148,12 @@ class _Actors:
     def get(self, name: str) -> Any:
         if name not in self._made:
             ucx = {"num_gpus": 0.25, "runtime_env": {"env_vars": dict(UCX_DEFAULT_ENV)}}
+            cuda = {"num_gpus": 0.25, "runtime_env": {"env_vars": dict(UCX_CUDA_ENV)}}
             opts = {"a": {"num_gpus": 0.25}, "b": {"num_gpus": 0.25},
                     "cpu": {"num_gpus": 0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}},
-                    "ua": ucx, "ub": ucx, "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
+                    "ua": ucx, "ub": ucx, "ia": cuda, "ib": cuda, "p0": {"num_gpus": 1}, "p1": {"num_gpus": 1}}[name]
             self._made[name] = GpuBench.options(**opts).remote()
-            if name in ("ua", "ub"):
+            if name in ("ua", "ub", "ia", "ib"):
                 ray.get(self._made[name].capture_stdio.remote(UCX_CAPTURE.format(name)), timeout=CALL_TIMEOUT_S)
             if name == "p1":
                 self.group = rdt.create_collective_group([self.get("p0"), self._made["p1"]], backend="nccl")
@@ -184,9 +195,12 @@ def _case(name: str, actors: _Actors, nbytes: int, n_gpus: int) -> Optional[Call
             raise RuntimeError("the CPU-only consumer still sees CUDA (CUDA_VISIBLE_DEVICES='' did not hide it)")
         a, cpu = actors.get("a"), actors.get("cpu")
         return lambda: get(cpu.consume.remote(a.nixl.remote()))
-    if name == UCX_DEFAULTS_CASE:
-        prepared("ua", "ub")
-        ua, ub = actors.get("ua"), actors.get("ub")
+    if name in UCX_PAIRS:
+        pa, pb = UCX_PAIRS[name]
+        if name == UCX_CUDA_CASE:
+            actors.drop("ua", "ub")  # their GPU share
+        prepared(pa, pb)
+        ua, ub = actors.get(pa), actors.get(pb)
         return lambda: get(ub.consume.remote(ua.nixl.remote()))
     if name == "rdt.get(into=) GPU" and not hasattr(rdt, "get"):
         return None
@@ -211,6 +225,10 @@ def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
     skip_reason = {"rdt.get(into=) GPU": "this build has no rdt.get", "nccl": f"needs two GPUs, found {n_gpus}"}
     try:
         for name in CASES:
+            if name == SHARDED_CASE:  # one row: the model's shapes, not the sizes
+                rows.append(_sharded_row(rows, min(iters, 5), min(warmup, 1), deadline, budget, actors))
+                _write(out, rows)
+                continue
             for nbytes in sizes:
                 row: Dict[str, Any] = {"case": name, "bytes": nbytes}
                 if time.monotonic() > deadline:
@@ -226,8 +244,8 @@ def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
                             row.update(_time(fn, want, iters, warmup))
                     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
                         row["error"] = error_text(e)
-                    if name == UCX_DEFAULTS_CASE and "ub" in actors.names():
-                        row["ucx"] = _protocols(actors)
+                    if name in UCX_PAIRS and UCX_PAIRS[name][1] in actors.names():
+                        row["ucx"] = _protocols(actors, UCX_PAIRS[name])
                     row["case_s"] = round(time.monotonic() - started, 2)
                 if "median_s" in row:
                     row["GB/s"] = round(nbytes / row["median_s"] / 1e9, 2)
@@ -239,11 +257,34 @@ def run(sizes: List[int], iters: int, warmup: int, out: Optional[str] = None,
     return rows
 
 
-def _protocols(actors: _Actors) -> str:
-    """What UCX chose for the READs of UCX_DEFAULTS_CASE, as its consumer and producer printed it; never raises."""
+def _sharded_row(rows: List[Dict[str, Any]], iters: int, warmup: int, deadline: float, budget: float,
+                 actors: _Actors) -> Dict[str, Any]:
+    """The sharded-sync row (``_gpu_sharded``), against the largest cuda_ipc copy row that ran."""
+    from . import _gpu_sharded
+
+    row: Dict[str, Any] = {"case": SHARDED_CASE, "bytes": 0}
+    if time.monotonic() > deadline:
+        row["skipped"] = f"not run: the benchmark's budget ({budget:.0f} s) was spent"
+        return row
+    started = time.monotonic()
+    actors.drop("a", "b")  # their GPU share, for the four ranks
+    ipc = [r for r in rows if r["case"] == "cuda_ipc copy" and "GB/s" in r]
+    try:
+        row = _gpu_sharded.run(iters, warmup, max(ipc, key=lambda r: r["bytes"])["GB/s"] if ipc else None)
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+        row["error"] = error_text(e)
+    row["case_s"] = round(time.monotonic() - started, 2)
+    if "median_s" in row and row["bytes"]:
+        row["GB/s"] = round(row["bytes"] / row["median_s"] / 1e9, 2)
+    print(json.dumps(row, default=str), file=sys.stderr, flush=True)
+    return row
+
+
+def _protocols(actors: _Actors, pair: Any = ("ua", "ub")) -> str:
+    """What UCX chose for the READs of a UCX case, as its consumer and producer printed it; never raises."""
     try:
         return "\n".join(f"[{n}]\n" + ray.get(actors.get(n).ucx_protocols.remote(UCX_CAPTURE.format(n)),
-                                                 timeout=CALL_TIMEOUT_S) for n in ("ub", "ua"))
+                                                 timeout=CALL_TIMEOUT_S) for n in pair[::-1])
     except Exception as e:  # noqa: BLE001 - a missing table must not fail the row
         return f"could not read UCX's protocol table: {error_text(e)}"
 

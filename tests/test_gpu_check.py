@@ -48,6 +48,26 @@ def test_dry_run_lists_the_collected_gpu_tests_and_the_wheels():
     assert "nixl object, consumer without CUDA" in out and "cuda_ipc map" in out
 
 
+def test_the_plan_fits_three_calls_and_eight_minutes_and_lists_the_sharded_gpu_checks():
+    """The dry run's plan (from the pinned wheels' sizes when none were fetched) stays within 3 device calls and
+    480 s, with the GPU sharded-sync tests and the benchmark's sharded-sync row in it, the row in the benchmark's
+    own case list."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                         env=env, timeout=240).stdout
+    plan = re.search(r"^plan: (\d+) device calls, (\d+) s", out, re.M)
+    assert plan and int(plan.group(1)) <= 3 and int(plan.group(2)) <= 480, out[-2000:]
+    assert "OVER the limit" not in out
+    listed = [ln.strip() for ln in out.splitlines() if ln.startswith("  tests/test_gpu_sharded.py::")]
+    for name in _test_names(ROOT / "tests" / "test_gpu_sharded.py"):
+        assert any(t.split("::")[1] == name for t in listed), name
+    gc = _script()
+    assert any(c.startswith("sharded sync (cuda_ipc") for c in gc.BENCH_CASES)
+    from benchmarks import gpu_bench
+
+    assert gpu_bench.CASES == gc.BENCH_CASES
+
+
 def test_wheels_split_into_parts_join_back_and_a_lost_part_is_caught(tmp_path):
     gc = _script()
     whl = tmp_path / "big-1.0-py3-none-any.whl"

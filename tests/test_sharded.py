@@ -395,6 +395,37 @@ def test_a_replayed_load_sends_the_plan_key_only(gloo_ranks):
         assert st["plans_received"] == TP and st["served"] >= 2 * TP, st  # the cached plans served the new objects
 
 
+def _tensor_views(on: bool) -> None:
+    from rdt.transports.group import ranges
+
+    ranges.TENSOR_VIEWS = on
+
+
+def test_the_nccl_ranges_code_over_gloo(gloo_ranks):
+    """The NCCL path's code (bytes reached as tensor views: staging and packing with device copies on the trainer,
+    blocks, direct receives into target views and scatters with device copies on the engine rank, on the loader's
+    stream) runs here over gloo on CPU tensors: every byte lands, nothing more is served, packed and direct
+    messages both used."""
+    trainers, consumers = gloo_ranks
+    ray.get([a.__ray_call__.remote(lambda _self: _tensor_views(True)) for a in trainers + consumers])
+    try:
+        before = [rdt.stats(c)["gloo_ranges"] for c in consumers]
+        ray.get([t.step.remote() for t in trainers])
+        manifest, outs, served = _load_gloo(trainers, consumers)
+    finally:
+        ray.get([a.__ray_call__.remote(lambda _self: _tensor_views(False)) for a in trainers + consumers])
+    for r, out in enumerate(outs):
+        want = expected(r, TP, manifest.version)
+        assert all(torch.equal(t, want[n]) for n, t in out["targets"].items()), r
+        assert set(out["report"].paths.values()) == {"gloo-ranges"}
+    assert served <= 1.01 * sum(out["target_bytes"] for out in outs)
+    for c, b in zip(consumers, before):
+        st = rdt.stats(c)["gloo_ranges"]
+        assert st["view_fetches"] - b["view_fetches"] == 3, st  # one per trainer rank
+        assert st["received_direct_bytes"] > b["received_direct_bytes"], st
+    assert sum(rdt.stats(t)["gloo_ranges"]["view_streams"] for t in trainers) == 3 * TP
+
+
 def test_a_timed_out_gloo_stream_never_writes_the_targets(gloo_ranks):
     """The producers' send threads are held past the load's deadline: the load fails typed, naming a rank, and the
     streams that go out late never land in the targets (they keep the last version loaded). Breaks the group."""

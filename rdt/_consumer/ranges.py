@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from rdt_transports._memcopy import copy_parts
 
-from . import cover
+from . import cover, device_ranges
 from .resolve import TYPED, candidates, fetch_buffers, relabel, site_for
 from .._objects.meta import ObjectMeta
 from .._process.context import State
@@ -69,13 +69,14 @@ class _Way:
     """How one transport reads the runs (``plan`` None: exact runs), with the derived arrays kept while the
     object's leaf columns and the targets' addresses stay the same."""
 
-    __slots__ = ("plan", "columns", "buf", "off", "addrs", "dst")
+    __slots__ = ("plan", "columns", "buf", "off", "addrs", "dst", "memo")
 
     def __init__(self, plan: Optional[cover.ReadPlan]) -> None:
         self.plan = plan
         self.columns: Any = None
         self.buf = self.off = self.dst = np.zeros(0, np.int64)
         self.addrs: Optional[np.ndarray] = None
+        self.memo: Dict[str, Any] = {}  # what device copies and transports derive from these ranges (Ranges.memo)
 
     def sources(self, meta: ObjectMeta, leaf: np.ndarray, src: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """The runs' (buffer, offset) in ``meta``'s buffers; recomputed only when its leaf columns differ."""
@@ -83,13 +84,13 @@ class _Way:
         columns = (specs.names, specs.dtype, specs.buffer, specs.offset)
         if self.columns is None or self.columns != columns:  # list equality: one C-level pass, no arrays made
             self.buf, self.off = _sources(meta, leaf, src)
-            self.columns = columns
+            self.columns, self.memo = columns, {}
         return self.buf, self.off
 
     def destinations(self, addrs: np.ndarray, target: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The runs' local addresses for targets at ``addrs``; recomputed only when those moved."""
         if self.addrs is None or not np.array_equal(addrs, self.addrs):
-            self.dst, self.addrs = addrs[target] + dst.astype(np.uint64), addrs
+            self.dst, self.addrs, self.memo = addrs[target] + dst.astype(np.uint64), addrs, {}
         return self.dst
 
 
@@ -127,21 +128,26 @@ class RangeRead:
 
 
 def fetch_ranges(ctx: Any, meta: ObjectMeta, read: RangeRead, targets: Sequence[torch.Tensor], addrs: np.ndarray,
-                 deadline: float) -> Landed:
+                 deadline: float, after: Any = None) -> Landed:
     """Land ``read``'s runs of ``meta``'s leaves in ``targets`` (``addrs``: their base addresses, uint64) by the
     first transport that serves ranges here, else by a whole fetch narrowed here. Typed errors naming the object;
-    a read that failed may still land later: the caller keeps the targets busy (``jobs``)."""
+    a read that failed may still land later: the caller keeps the targets busy (``jobs``). Where the targets or the
+    object's buffers are device memory (``device_ranges``): exact runs, copied with torch ops after ``after`` (the
+    caller's stream at the load's start) and finished on the device before this returns."""
     runs = read.runs
     site = site_for(meta, task_argument=False)
+    on_device = (targets[0].device.type != "cpu" if len(targets) else False) or meta.buffers.device_types != {"cpu"}
     transport: Any = None
     try:
         for transport in candidates(meta, site, ctx):
-            way = read.way(ctx, transport, len(targets))
+            way = read._exact if on_device else read.way(ctx, transport, len(targets))
             rp = way.plan
             if rp is None:
                 buf, off = way.sources(meta, runs.leaf, runs.src)
                 ranges = Ranges(buf, off, way.destinations(addrs, runs.target, runs.dst), runs.n,
                                 [targets[i] for i in runs.used])
+                if on_device:
+                    device_ranges.annotate(ranges, way.memo, runs.target, runs.dst, runs.used, after)
             else:
                 staging = rp.staging_tensor()
                 buf, off = way.sources(meta, rp.leaf, rp.src)
@@ -149,6 +155,8 @@ def fetch_ranges(ctx: Any, meta: ObjectMeta, read: RangeRead, targets: Sequence[
                 ranges = Ranges(buf, off, way.destinations(everywhere, rp.target, rp.dst), rp.n,
                                 [targets[i] if i < len(targets) else staging for i in rp.used])
             label = transport.read_ranges(ctx, meta, ranges, site, deadline)
+            if label is None and on_device:
+                label = device_ranges.via_host(ctx, transport, meta, ranges, site, deadline)
             if label is None:
                 continue
             if rp is not None:
@@ -158,9 +166,14 @@ def fetch_ranges(ctx: Any, meta: ObjectMeta, read: RangeRead, targets: Sequence[
             buf, off = read._exact.sources(meta, runs.leaf, runs.src)
             return Landed(label, moved, 0 if rp is None else rp.covered, buf, off)
         transport = None
-        buf, off = read._exact.sources(meta, runs.leaf, runs.src)
-        return Landed(_whole(ctx, meta, read._exact.destinations(addrs, runs.target, runs.dst), buf, off, runs.n,
-                             deadline), meta.nbytes, 0, buf, off)
+        way = read._exact
+        buf, off = way.sources(meta, runs.leaf, runs.src)
+        dst = way.destinations(addrs, runs.target, runs.dst)
+        if on_device:
+            ranges = device_ranges.annotate(Ranges(buf, off, dst, runs.n, [targets[i] for i in runs.used]),
+                                            way.memo, runs.target, runs.dst, runs.used, after)
+            return Landed(device_ranges.whole(ctx, meta, ranges, deadline), meta.nbytes, 0, buf, off)
+        return Landed(_whole(ctx, meta, dst, buf, off, runs.n, deadline), meta.nbytes, 0, buf, off)
     except TYPED:
         raise
     except Exception as e:  # a transport's own failure (or timeout): typed here as for a whole fetch

@@ -19,9 +19,11 @@ import torch
 from .._consumer import jobs
 from .._consumer.ranges import Landed, RangeRead, fetch_ranges, readers
 from .._consumer.versions import who
+from .._objects import device_order
 from .._process.context import get_context
 from ..errors import FenceTimeoutError, GroupDestroyedError, InvalidArgumentError, TransferTimeoutError
 from . import register, replica as _replica, verify as _verify
+from .devices import check_target
 from .layout import Region
 from .plan import Plan, Want, make
 from .publish import Manifest, Shards
@@ -81,9 +83,7 @@ class WeightLoader:
         target holds no version yet, so until the next load succeeds ``share()`` offers nothing."""
         regs = (regions,) if isinstance(regions, Region) else tuple(regions)
         label = name or (regs[0].param if len(regs) == 1 else "+".join(r.param for r in regs))
-        if not isinstance(target, torch.Tensor) or target.device.type != "cpu" or not target.is_contiguous():
-            raise InvalidArgumentError(f"target {label!r} must be a contiguous CPU tensor",
-                                       hint="want into the parameter's contiguous CPU storage")
+        check_target(label, target, [w.target for w in self._wants])  # contiguous, CPU or CUDA, one device
         if not regs or not all(isinstance(r, Region) for r in regs):
             raise InvalidArgumentError(f"target {label!r}: regions must be rdt.Region objects",
                                        hint='pass rdt.Region("name", dim, start, length)')
@@ -189,6 +189,9 @@ class WeightLoader:
         addrs = plan.addresses()
         report = LoadReport(manifest.version, planned, plan.nbytes)
         by_rank = {s.rank: s for s in manifest.shards}
+        if verify:
+            _verify_on_host(plan, [by_rank[r] for r, _ in plan.reads])
+        after = device_order.current().mark(plan.device)  # device copies follow the caller's stream from here
         readers_ = _register(ctx, [by_rank[r] for r, _ in plan.reads], deadline)
         try:
             self._fence_shared(deadline)
@@ -197,7 +200,7 @@ class WeightLoader:
             raise
         names = [w.name for w in wants]
         reads = [jobs.Job(ctx, functools.partial(_read_rank, ctx, by_rank[rank], rr, reader, plan.keep, addrs,
-                                                 names if verify else None, deadline),
+                                                 names if verify else None, deadline, after),
                           [plan.keep[i] for i in rr.runs.used] + rr.stagings(),
                           f"a sharded load's read of {by_rank[rank].source} (version {manifest.version})",
                           instead=functools.partial(register.end_quietly, ctx, by_rank[rank], reader))
@@ -275,12 +278,13 @@ def _end_all(ctx: Any, begun: List[Tuple[Shards, bytes]]) -> None:
 
 
 def _read_rank(ctx: Any, shards: Shards, rr: RangeRead, reader: bytes, keep: List[torch.Tensor], addrs: Any,
-               names: Optional[List[str]], deadline: float) -> Tuple[Landed, int, float, bool]:
+               names: Optional[List[str]], deadline: float, after: Any = None) -> Tuple[Landed, int, float, bool]:
     """(a reading thread) Land one rank's runs, check them when asked, end the registration: (what landed, bytes
     checked, seconds the check took, whether the version held). A failure ends the registration and names the
-    rank."""
+    rank. The registration ends only once the road returned, which for device copies is once they finished on the
+    device (``device_order``): the producer's fence, which waits for it, cannot race a copy still reading."""
     try:
-        landed = fetch_ranges(ctx, shards.meta, rr, keep, addrs, deadline)
+        landed = fetch_ranges(ctx, shards.meta, rr, keep, addrs, deadline, after)
         checked, seconds = 0, 0.0
         if names is not None and landed.label != "whole:inline":  # inline: the bytes are the manifest's own
             t0 = time.monotonic()
@@ -295,6 +299,17 @@ def _read_rank(ctx: Any, shards: Shards, rr: RangeRead, reader: bytes, keep: Lis
     return landed, checked, seconds, register.end(ctx, shards, reader, max(deadline, time.monotonic() + 1.0))
 
 
+def _verify_on_host(plan: Plan, sources: List[Shards]) -> None:
+    """``verify=True`` checksums CPU bytes for now: refused, before anything moves, for device targets or shards."""
+    where = [f"the targets ({plan.device})"] if plan.device.type != "cpu" else []
+    where += [s.source for s in sources if s.meta is not None and s.meta.buffers.device_types != {"cpu"}][:3]
+    if where:
+        raise InvalidArgumentError(
+            f"verify=True checksums bytes in CPU memory, and {', '.join(where)} hold them on a GPU",
+            hint="load without verify=True (device checksums are not available yet), or compare the targets "
+                 "yourself")
+
+
 def _raise_first(errors: List[BaseException]) -> None:
     """Raise a rank's own failure first: a group aborted by a sibling's timeout is its consequence."""
     if errors:
@@ -302,7 +317,9 @@ def _raise_first(errors: List[BaseException]) -> None:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous CPU tensors share any byte."""
+    """Whether two contiguous tensors share any byte (tensors on different devices never do)."""
+    if a.device != b.device:
+        return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 

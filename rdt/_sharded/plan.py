@@ -71,6 +71,11 @@ class Plan:
             self.addrs, self.ptrs = np.array(ptrs, dtype=np.uint64), ptrs
         return self.addrs
 
+    @property
+    def device(self) -> torch.device:
+        """Where the bytes land: the targets' one device (``want`` refuses targets on another)."""
+        return self.keep[0].device if self.keep else torch.device("cpu")
+
     def stagings(self) -> List[torch.Tensor]:
         """The covering reads' staging buffers (a failed read may still land in them)."""
         return [t for _, r in self.reads for t in r.stagings()]
@@ -102,7 +107,7 @@ def make(wants: List[Want], manifest: Manifest) -> Plan:
                      np.full(len(s), length * itemsize, np.int64)))
             if w.target.dim():
                 cat_at += box[w.dim][1] - box[w.dim][0]
-        w.landing = torch.empty(w.target.shape, dtype=src_dtype) if w.cast else None
+        w.landing = torch.empty(w.target.shape, dtype=src_dtype, device=w.target.device) if w.cast else None
     reads = []
     for rank, parts in sorted(by_rank.items()):
         cols = [np.concatenate(c) for c in zip(*parts)]

@@ -20,6 +20,7 @@ from .._objects.meta import ObjectMeta
 from .._process.context import State, get_context
 from .._producer.produce import check_timeout, check_transport, produce
 from ..errors import InvalidArgumentError, ProducerDiedError, TransferTimeoutError
+from .devices import shards_device
 from .layout import Box, Layout, box_of, intersect, volume
 
 
@@ -113,8 +114,10 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
                timeout: Optional[float] = None, keep_versions: int = 0) -> Shards:
     """Inside an actor: publish this rank's local shards of ``state`` ({name: DTensor or plain tensor}) as
     ``version``. A DTensor's layout is read from its placements (``Shard(d)``, ``Replicate``, uneven last shards;
-    ``Partial`` is refused); a plain tensor needs ``layouts[name]``. Returns the :class:`Shards` the driver gathers
-    into a :class:`Manifest`. A non-contiguous local shard is published as a contiguous copy.
+    ``Partial`` is refused, ``_StridedShard`` unless this rank's shard is proven to be one box); a plain tensor
+    needs ``layouts[name]``. The shards are CPU tensors, or CUDA tensors of one device. Returns the
+    :class:`Shards` the driver gathers into a :class:`Manifest`. A non-contiguous local shard is published as a
+    contiguous copy.
 
     By default the publication reads the live weights: call ``shards.fence()`` before updating them in place
     (publishing another version of the same parameters from this rank without one makes the older version gone).
@@ -146,11 +149,9 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
         else:
             local, shape, start = _plain_layout(name, value, layouts.get(name))
         local = local.detach()
-        if local.device.type != "cpu":
-            raise InvalidArgumentError(f"parameter {name!r} is on {local.device}; sharded sync moves CPU tensors "
-                                       "for now", hint="publish t.cpu(), or use rdt.put for GPU tensors")
         locals_[name] = local if local.is_contiguous() else local.contiguous()
         params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
+    shards_device(locals_, transport)  # CPU or one CUDA device, moved by the transport
     rank = _rank(rank)
     stream = (rank, tuple(p.name for p in params))
     shards = publish_local(locals_, tuple(params), rank=rank, version=version, transport=transport, timeout=seconds,

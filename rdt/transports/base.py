@@ -214,14 +214,32 @@ class Transport(abc.ABC):
 @dataclass
 class Ranges:
     """Byte ranges to read from one object: per range the buffer, the offset in it, the local address it lands at
-    and its length (equal-length int64 numpy arrays; ``dst`` as uint64), and the local CPU tensors those addresses
-    lie in (kept alive by the caller, registered by a transport that needs to)."""
+    and its length (equal-length int64 numpy arrays; ``dst`` as uint64), and the local tensors those addresses lie
+    in (kept alive by the caller, registered by a transport that needs to; all on one device, :attr:`device`).
+
+    Where the targets or the object's buffers are device memory, the road also gives, per range, the index of its
+    target in ``targets`` and the byte offset in it (``tgt``, ``tgt_off``: device copies are made with torch ops, not
+    by address), the ranges batched into copy descriptors (``copies``: ``rdt._objects.device_runs.Copies``, made
+    once per plan), the caller's stream at the load's start (``after``: device writes follow it; see
+    ``rdt._objects.device_order``) and ``memo``, a dict kept with the plan while these ranges stay the same, where a
+    transport may keep what it derives from them. A transport that writes device memory returns only once its
+    writes finished on the device."""
 
     buf: Any
     off: Any
     dst: Any
     n: Any
     targets: Sequence[torch.Tensor] = ()
+    tgt: Any = None
+    tgt_off: Any = None
+    copies: Any = None
+    after: Any = None
+    memo: Optional[Dict[str, Any]] = None
+
+    @property
+    def device(self) -> torch.device:
+        """The targets' device (the CPU when there are none)."""
+        return self.targets[0].device if len(self.targets) else torch.device("cpu")
 
 
 def device_types(meta: "ObjectMeta") -> FrozenSet[str]:

@@ -38,6 +38,7 @@ export. None of this can run without CUDA; tests/test_gpu.py covers it on GPU ma
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class IpcBuffer:
     event_sync_required: bool
     buffer_offset: int  # of the buffer inside the storage, bytes
     nbytes: int
+    # This share's number in the producer: a storage is shared once for its life, so a consumer that keeps the
+    # storage opened across reads (sharded loads) knows by a new number that the storage it opened died.
+    share_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,12 @@ class ShareCache(StorageCache[ShareKey, Tuple[Any, ...]]):
         return len(self) + self.idle()
 
 
+_share_ids = itertools.count(1)
+
+
 def _share_storage(storage: Any) -> Tuple[Any, ...]:
-    return tuple(storage._share_cuda_())
+    """torch's share of ``storage``, with this share's number appended (see ``IpcBuffer.share_id``)."""
+    return tuple(storage._share_cuda_()) + (next(_share_ids),)
 
 
 def _settle_share(share: Tuple[Any, ...]) -> None:
@@ -173,11 +181,12 @@ def _key(buf: torch.Tensor) -> ShareKey:
 
 
 def _describe(buf: torch.Tensor, share: Tuple[Any, ...]) -> IpcBuffer:
-    (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = share
+    (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = share[:8]
     index = buf.get_device()
     return IpcBuffer(_device_uuid(index), index, bytes(handle), int(size), int(offset), bytes(rc_handle),
                      int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync),
-                     buf.storage_offset() * buf.element_size(), buf.numel() * buf.element_size())
+                     buf.storage_offset() * buf.element_size(), buf.numel() * buf.element_size(),
+                     int(share[8]) if len(share) > 8 else 0)
 
 
 def export(entry: Any, cache: ShareCache, ipc_map: bool = False,
@@ -227,13 +236,20 @@ def release(entry: Any, cache: ShareCache) -> None:
 # ------------------------------------------------------------------------------------------------ consumer
 def _open(b: IpcBuffer, index: int) -> torch.Tensor:
     """The producer's buffer as a uint8 tensor on local device ``index`` (a mapping, no copy)."""
+    return open_storage(b, index)[b.buffer_offset:b.buffer_offset + b.nbytes]
+
+
+def open_storage(b: IpcBuffer, index: int) -> torch.Tensor:
+    """The producer's whole storage of buffer ``b`` as a uint8 tensor on local device ``index`` (a mapping, no
+    copy): the one device call of a consumer, behind which everything is tested on CPU. The open makes the current
+    stream of that device wait for the producer's IPC event (torch)."""
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         index, b.handle, b.storage_nbytes, b.storage_offset, b.ref_counter_handle, b.ref_counter_offset,
         b.event_handle, b.event_sync_required,
     )
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
-    t.set_(storage, b.buffer_offset, (b.nbytes,), (1,))
+    t.set_(storage, 0, (b.storage_nbytes,), (1,))
     return t
 
 

@@ -8,13 +8,13 @@ object alive for as long as a mapped leaf lives.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-from . import shares as _cuda_ipc
+from . import ranges as _ranges, shares as _cuda_ipc
 from ..._objects.meta import ObjectMeta
 from ..._objects.stream_ready import wait_ready
 from ...errors import UnsupportedError
-from ..base import Capabilities, Fetched, Site, Transport, Unusable
+from ..base import Capabilities, Fetched, Ranges, Site, Transport, Unusable
 
 logger = logging.getLogger("rdt")
 
@@ -60,6 +60,17 @@ class CudaIpcTransport(Transport):
         bufs = _cuda_ipc.open_object(info)
         return Fetched(bufs, "cuda_ipc-map" if info.map else "cuda_ipc",
                        keepalive=meta.token if info.map else None)
+
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
+                    deadline: float) -> Optional[str]:
+        """Sharded loads: the runs copied out of the producer's storages, opened once and kept while they live, on
+        the loader's stream, finished on the device before this returns (see ``ranges``)."""
+        return _ranges.read_ranges(ctx, meta, ranges)
+
+    def stats(self, ctx: Any) -> Dict[str, Any]:
+        """Consumer side: producer storages opened for range reads, reused across reads, closed, open now."""
+        maps = ctx.peek_transport_state("cuda_ipc-mappings")
+        return {"cuda_ipc_ranges": maps.snapshot() if maps is not None else dict(_ranges.EMPTY_STATS)}
 
     def exported(self, ctx: Any) -> int:
         cache = ctx.peek_transport_state(self.name)

@@ -15,6 +15,14 @@ the key only. A fetch abandoned by its caller (timeout, producer death) never co
 a packed message is scattered only under the fetch's lock, and only while the caller still waits; the targets of
 a direct receive still posted when the caller gave up are marked busy (``ctx.busy_targets``) until the receive
 ended, so that the next fetch into them waits for it rather than being overwritten.
+
+The same protocol runs over an NCCL group for GPU objects into GPU targets (``nccl-ranges``): the producer packs the
+small runs on its device into at most :data:`SLOTS` staging buffers there and sends the large ones straight from the
+shard; the consumer receives packed messages into device blocks and scatters them into the targets with device
+copies, and the large runs straight into the targets. What differs is only how bytes are reached: by address in CPU
+memory (:class:`_HostBytes`), or as tensor views with the copies of ``rdt._objects.device_runs`` on the loader's
+stream (:class:`_TensorBytes`). :data:`TENSOR_VIEWS` makes CPU memory go through the latter too: how CPU CI runs the
+NCCL path's code over gloo.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from rdt_transports.group import TAG_OBJECT, make_tag
 from ..._control import wire as _control
 from ..._control.peer import control_request
 from ..._control.wire import err
+from ..._objects import device_order, device_runs
 from ..._objects.stream_ready import wait_ready
 from ...errors import ObjectFetchError
 from ..base import Ranges, TransportState
@@ -57,6 +66,8 @@ PLANS_MAX = 64  # plans a producer caches ...
 PLANS_MAX_BYTES = 64 << 20  # ... and their expanded runs' bytes at most (40 bytes a run)
 RUNS_MAX = 1 << 20  # runs one plan may expand to
 SENT_MAX = 1024  # (producer, group, key) a consumer remembers having sent
+TENSOR_VIEWS = False  # reach CPU bytes as tensor views too (tests: the NCCL path's code over gloo)
+SERVED = {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"})}  # group backend -> the memory it serves ranges of
 
 
 # ------------------------------------------------------------------------------------------------ both sides
@@ -217,7 +228,9 @@ class RangesState(TransportState):
         self.counters: Dict[str, int] = {
             "served": 0, "served_bytes": 0, "served_direct_bytes": 0, "plans_received": 0, "plans_asked": 0,
             "staging_bytes": 0, "staging_peak": 0, "staging_stream_peak": 0, "fetches": 0, "received_bytes": 0,
-            "received_direct_bytes": 0, "receive_block_bytes": 0}
+            "received_direct_bytes": 0, "receive_block_bytes": 0,
+            # fetches and streams whose bytes were reached as tensor views (NCCL; gloo under TENSOR_VIEWS)
+            "view_fetches": 0, "view_streams": 0}
 
     def plan(self, key: Tuple[str, int, bytes]) -> Optional[Plan]:
         with self._lock:
@@ -313,6 +326,76 @@ def _at(address: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
 
 
+class _HostBytes:
+    """The consumer's ranges in CPU memory, by address: blocks from the receive pool, direct receives over the
+    targets' bytes, packed messages scattered with ``copy_parts``."""
+
+    def __init__(self, ctx: Any, ranges: Ranges) -> None:
+        self.ctx = ctx
+        self.dst = np.asarray(ranges.dst, dtype=np.uint64).astype(np.int64)
+
+    def block(self, size: int) -> torch.Tensor:
+        return self.ctx.buffers.empty(size)
+
+    def direct(self, run: int, at: int, nbytes: int) -> torch.Tensor:
+        return _at(int(self.dst[run]) + at, nbytes)
+
+    def scatter(self, plan: "Plan", m: int, block: torch.Tensor) -> None:
+        idx, run_at, msg_at, length = plan.pieces(m)
+        base = block.data_ptr()
+        copy_parts(list(zip((self.dst[idx] + run_at).tolist(), (msg_at + base).tolist(), length.tolist())))
+
+    def done(self) -> None:
+        pass
+
+
+class _TensorBytes:
+    """The consumer's ranges as tensor views of the targets (device memory; CPU memory under TENSOR_VIEWS): blocks
+    on the targets' device, direct receives into views, packed messages scattered with device copies on the loader's
+    stream, each finished before its block is received into again."""
+
+    def __init__(self, ctx: Any, ranges: Ranges) -> None:
+        self.device = ranges.device
+        self.targets = [device_runs.flat(t) for t in ranges.targets]
+        tgt, tgt_off = ranges.tgt, ranges.tgt_off
+        if tgt is None:  # the road gave addresses only (CPU targets): find each range's target
+            tgt, tgt_off = _owners(np.asarray(ranges.dst, np.uint64), self.targets)
+        self.tgt, self.tgt_off = np.asarray(tgt, np.int64), np.asarray(tgt_off, np.int64)
+        self.streams = device_order.current()
+        self.stream = self.streams.stream(self.device)
+        self.streams.wait_host(ranges.after)  # the caller's work queued on the targets before the load is done
+
+    def block(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def direct(self, run: int, at: int, nbytes: int) -> torch.Tensor:
+        o = int(self.tgt_off[run]) + at
+        return self.targets[int(self.tgt[run])][o:o + nbytes]
+
+    def scatter(self, plan: "Plan", m: int, block: torch.Tensor) -> None:
+        idx, run_at, msg_at, length = plan.pieces(m)
+        copies = device_runs.batch(np.zeros(len(idx), np.int64), msg_at, self.tgt[idx], self.tgt_off[idx] + run_at,
+                                   length)
+        self.streams.run(self.stream, lambda: device_runs.apply(copies, [block], self.targets))
+        self.streams.finish(self.stream)
+
+    def done(self) -> None:
+        self.streams.finish(self.stream)
+
+
+def _owners(dst: np.ndarray, targets: List[torch.Tensor]) -> Tuple[np.ndarray, np.ndarray]:
+    """Per address, the target it lies in and the byte offset there."""
+    bases = np.array([t.data_ptr() for t in targets], np.uint64)
+    order = np.argsort(bases)
+    at = order[np.searchsorted(bases[order], dst, side="right") - 1]
+    return at.astype(np.int64), (dst - bases[at]).astype(np.int64)
+
+
+def _landing_for(ctx: Any, meta: Any, ranges: Ranges) -> Any:
+    views = TENSOR_VIEWS or ranges.device.type != "cpu" or meta.buffers.device_types != {"cpu"}
+    return _TensorBytes(ctx, ranges) if views else _HostBytes(ctx, ranges)
+
+
 def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadline: float,
                 watch: Any, failed: Any) -> Optional[str]:
     """"gloo-ranges" once every range landed; None where the plan does not fit a control frame or RUNS_MAX.
@@ -323,7 +406,7 @@ def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadl
         return None
     plan = decode(rows)
     if plan.total == 0:
-        return "gloo-ranges"
+        return f"{group.backend_name}-ranges"
     st = state(ctx)
     key = plan_key(rows)
     memo = (meta.producer.control_address, group.uid, key)
@@ -346,30 +429,33 @@ def read_ranges(ctx: Any, meta: Any, group: Any, ref: Any, ranges: Ranges, deadl
                                f"{group.name!r} with {reply[:16]!r}", object_id=meta.id_hex,
                                hint="producer and consumer run different rdt versions; install the same on both")
     guard = _Guard()
-    dst = np.asarray(ranges.dst, dtype=np.uint64).astype(np.int64)
-    what = f"a gloo range read of {meta.describe()} over group {group.name!r}"
+    where = _landing_for(ctx, meta, ranges)
+    what = f"a {group.backend_name} range read of {meta.describe()} over group {group.name!r}"
     try:
-        watch(ctx, meta, lambda: _receive(ctx, group, ref.rank, plan, dst, tag_base, deadline, guard))
+        watch(ctx, meta, lambda: _receive(ctx, group, ref.rank, plan, where, tag_base, deadline, guard))
     except (CollectiveTimeoutError, CommunicationError) as e:
         guard.abandon(ctx.busy_targets, ranges.targets, what)
         failed(ctx, meta, group, e)
     except BaseException:
         guard.abandon(ctx.busy_targets, ranges.targets, what)
         raise
+    where.done()
     st.add("fetches")
+    st.add("view_fetches", int(isinstance(where, _TensorBytes)))
     st.add("received_bytes", plan.total)
     st.add("received_direct_bytes", plan.direct_bytes)
-    return "gloo-ranges"
+    return f"{group.backend_name}-ranges"
 
 
-def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_base: int, deadline: float,
+def _receive(ctx: Any, group: Any, peer: int, plan: Plan, where: Any, tag_base: int, deadline: float,
              guard: _Guard) -> None:
     """(waiter thread) Receive the plan's messages, IN_FLIGHT posted ahead: a direct one straight into its target,
     a packed one into one of at most SLOTS pooled blocks, scattered to the targets as it lands (the block then
-    posted again). Every posted receive is waited for, also once the caller gave up."""
+    posted again). Every posted receive is waited for, also once the caller gave up. ``where``: how the targets'
+    bytes are reached (:class:`_HostBytes` or :class:`_TensorBytes`)."""
     n = plan.messages
     size, count = plan.staging()
-    blocks = [ctx.buffers.empty(size) for _ in range(count)]
+    blocks = [where.block(size) for _ in range(count)]
     state(ctx).peak("receive_block_bytes", sum(b.numel() for b in blocks))
     free = list(range(len(blocks)))
     posted: "deque[Tuple[int, Optional[int], Any]]" = deque()
@@ -391,7 +477,7 @@ def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_b
                     if guard.abandoned:
                         return
                     guard.direct = True
-                work = group.backend.irecv(_at(int(dst[direct[0]]) + direct[1], plan.message_bytes(nxt)), peer, tag)
+                work = group.backend.irecv(where.direct(direct[0], direct[1], plan.message_bytes(nxt)), peer, tag)
             posted.append((nxt, b, work))
             nxt += 1
 
@@ -401,12 +487,9 @@ def _receive(ctx: Any, group: Any, peer: int, plan: Plan, dst: np.ndarray, tag_b
             m, b, work = posted.popleft()
             work.wait(max(deadline - time.monotonic(), 1e-3))
             if b is not None:
-                idx, run_at, msg_at, length = plan.pieces(m)
-                base = blocks[b].data_ptr()
-                parts = list(zip((dst[idx] + run_at).tolist(), (msg_at + base).tolist(), length.tolist()))
                 with guard.lock:
                     if not guard.abandoned:
-                        copy_parts(parts)
+                        where.scatter(plan, m, blocks[b])
                 free.append(b)
             if not guard.abandoned:
                 fill()
@@ -427,10 +510,11 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
     group = next((g for g in local_groups() if g is not None and g.uid == uid), None)
     if group is None:
         return err(_control.ERR_NO_GROUP, "the producer is no longer in that group")
-    if group.backend_name != "gloo" or not 0 <= rank < group.world_size or rank == group.rank:
+    if group.backend_name not in SERVED or not 0 <= rank < group.world_size or rank == group.rank:
         return err(_control.ERR_BAD_REQUEST, f"bad consumer rank {rank} or backend {group.backend_name}")
-    if entry.flat.table.device_types != {"cpu"}:
-        return err(_control.ERR_BAD_REQUEST, "ranges are served over gloo for CPU objects only")
+    if entry.flat.table.device_types != SERVED[group.backend_name]:
+        return err(_control.ERR_BAD_REQUEST, f"ranges are served over {group.backend_name} for "
+                                             f"{'/'.join(sorted(SERVED[group.backend_name]))} objects only")
     st = state(ctx)
     rows = payload[32 + HEAD.size:]
     bases, sizes = (np.array(c, np.int64) for c in zip(*entry.flat.ranges)) if len(entry.flat.table) \
@@ -455,13 +539,56 @@ def serve_fetch_ranges(ctx: Any, _key_id: int, payload: bytes) -> Any:
             return err(_control.ERR_BAD_REQUEST, why)
     wait_ready(entry)
     deadline = time.monotonic() + wait_ms / 1000.0
-    ctx.stats.add("gloo", "out", plan.total)
+    ctx.stats.add(group.backend_name, "out", plan.total)
     st.add("served")
     st.add("served_bytes", plan.total)
     st.add("served_direct_bytes", plan.direct_bytes)
     ctx.send_waiters.submit(_stream, ctx, group, list(entry.buffers), bases, plan, rank, tag_base, deadline,
                             entry.obj_id)
     return _control.RESP_OK, b""
+
+
+class _HostSource:
+    """The producer's buffers in CPU memory, by address: staging from the receive pool, packing with copy_parts."""
+
+    def __init__(self, ctx: Any, buffers: List[torch.Tensor], bases: np.ndarray) -> None:
+        self.ctx, self.bases = ctx, bases
+
+    def slot(self, size: int) -> torch.Tensor:
+        return self.ctx.buffers.empty(size)
+
+    def direct(self, plan: Plan, run: int, at: int, nbytes: int) -> torch.Tensor:
+        return _at(int(self.bases[plan.buf[run]] + plan.off[run]) + at, nbytes)
+
+    def pack(self, plan: Plan, m: int, slot: torch.Tensor) -> None:
+        idx, run_at, msg_at, length = plan.pieces(m)
+        src = self.bases[plan.buf[idx]] + plan.off[idx] + run_at
+        copy_parts(list(zip((msg_at + slot.data_ptr()).tolist(), src.tolist(), length.tolist())))
+
+
+class _TensorSource:
+    """The producer's buffers as tensor views (device memory; CPU memory under TENSOR_VIEWS): staging on their
+    device, packing with device copies, finished before the slot is sent."""
+
+    def __init__(self, ctx: Any, buffers: List[torch.Tensor], bases: np.ndarray) -> None:
+        self.buffers = [device_runs.flat(b) for b in buffers]
+        self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        self.streams = device_order.current()
+        self.stream = self.streams.stream(self.device)
+
+    def slot(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def direct(self, plan: Plan, run: int, at: int, nbytes: int) -> torch.Tensor:
+        o = int(plan.off[run]) + at
+        return self.buffers[int(plan.buf[run])][o:o + nbytes]
+
+    def pack(self, plan: Plan, m: int, slot: torch.Tensor) -> None:
+        idx, run_at, msg_at, length = plan.pieces(m)
+        copies = device_runs.batch(plan.buf[idx], plan.off[idx] + run_at, np.zeros(len(idx), np.int64), msg_at,
+                                   length)
+        self.streams.run(self.stream, lambda: device_runs.apply(copies, self.buffers, [slot]))
+        self.streams.finish(self.stream)
 
 
 def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarray, plan: Plan, rank: int,
@@ -472,7 +599,10 @@ def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarr
     st = state(ctx)
     n = plan.messages
     size, count = plan.staging()
-    slots = [ctx.buffers.empty(size) for _ in range(count)]
+    views = TENSOR_VIEWS or any(b.device.type != "cpu" for b in keepalive)
+    source = (_TensorSource if views else _HostSource)(ctx, keepalive, bases)
+    st.add("view_streams", int(views))
+    slots = [source.slot(size) for _ in range(count)]
     held = sum(s.numel() for s in slots)
     st.add("staging_bytes", held)
     st.peak("staging_stream_peak", held)
@@ -496,17 +626,13 @@ def _stream(ctx: Any, group: Any, keepalive: List[torch.Tensor], bases: np.ndarr
                 k += 1
                 while busy[slot]:
                     oldest()
-                idx, run_at, msg_at, length = plan.pieces(m)
-                base = slots[slot].data_ptr()
-                src = bases[plan.buf[idx]] + plan.off[idx] + run_at
-                copy_parts(list(zip((msg_at + base).tolist(), src.tolist(), length.tolist())))
+                source.pack(plan, m, slots[slot])
                 busy[slot] = True
                 works.append((group.backend.isend(slots[slot][:plan.message_bytes(m)], rank,
                                                   make_tag(TAG_OBJECT, tag_base + m)), slot))
             else:
                 run, at = direct
-                src = int(bases[plan.buf[run]] + plan.off[run]) + at
-                works.append((group.backend.isend(_at(src, plan.message_bytes(m)), rank,
+                works.append((group.backend.isend(source.direct(plan, run, at, plan.message_bytes(m)), rank,
                                                   make_tag(TAG_OBJECT, tag_base + m)), None))
         while works:
             oldest()

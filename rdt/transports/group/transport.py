@@ -110,6 +110,19 @@ class NcclTransport(_GroupTransport):
     capabilities = Capabilities(name="nccl", devices=frozenset({"cuda"}), group_backend="nccl", receive_into=True,
                                 auto_priority=40)
 
+    def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
+                    deadline: float) -> Optional[str]:
+        """The gloo ranges protocol over the common NCCL group (``ranges``: small runs packed on the producer's
+        device, large ones sent straight from the shard into the target); None unless the object and the targets
+        are on GPUs."""
+        if meta.buffers.device_types != {"cuda"} or ranges.device.type != "cuda":
+            return None
+        group, ref = site.groups[self.name]
+        return _ranges.read_ranges(ctx, meta, group, ref, ranges, deadline, _watching_producer, _receive_failed)
+
+    def handlers(self) -> Dict[int, Served]:
+        return {**super().handlers(), REQ_FETCH_RANGES: (_ranges.serve_fetch_ranges, (_control.KEY_GROUP,))}
+
 
 class UcxTransport(_GroupTransport):
     capabilities = Capabilities(name="ucx", devices=frozenset({"cpu", "cuda"}), group_backend="ucx",

@@ -97,6 +97,8 @@ class ShmTransport(Transport):
 
     def read_ranges(self, ctx: Any, meta: ObjectMeta, ranges: Ranges, site: Site,
                     deadline: float) -> Optional[str]:
+        if ranges.device.type != "cpu":  # addresses in device memory: the road stages through host memory
+            return None
         return _ranges.read_ranges(ctx, meta, ranges)
 
     def start(self, ctx: Any) -> None:
