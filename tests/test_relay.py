@@ -39,7 +39,8 @@ def _relay_group(n: int, seed: int, **config):
     """n actors in one gloo group (actor 1 will be the relay that fails), each fetch timing out after 30 s; the
     expected digests and size of the producer's state dict for ``seed``; actor 1's pid."""
     actors = [RelayNode.remote() for _ in range(n)]
-    group = rdt.create_collective_group(actors, backend="gloo")
+    ray.get([a.pid.remote() for a in actors], timeout=180)  # started (a loaded machine takes its time) before the
+    group = rdt.create_collective_group(actors, backend="gloo", timeout=60.0)  # group's join timeout runs
     value = relay_state(BIG * 2, seed)
     want, total = digests(value), nbytes(value)
     ray.get([a.expect.remote(_shapes(value)) for a in actors])
