@@ -3,8 +3,9 @@
 A terminal gets one progress bar on its last line, redrawn below the log lines; anything else (a CI log, a pipe)
 gets plain ``rdt-bench progress:`` lines at each suite's start and end and at most every ``every_s`` seconds
 between. The time left weighs each case by a rough cost estimate (a 128 MiB case costs more than a 4 KiB one),
-scaled by how fast this machine has gone through the cases so far. No Ray here: the unit tests drive it with a
-fake clock.
+scaled by how fast this machine has gone through the cases so far. The report also keeps what it estimated and
+what each case took (:meth:`Progress.record`, saved in the run's JSON), so that the estimate can be checked against
+what really remained and the costs refitted. No Ray here: the unit tests drive it with a fake clock.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, TextIO, Tuple
 
 PRIOR_S = 30.0  # estimated seconds of cases the pace is assumed to be 1.0 over, until the cases done outweigh it
 LINE_EVERY_S = 10.0  # plain lines: at most one per this many seconds between a suite's start and end
@@ -52,6 +53,9 @@ class Progress:
         self.every_s = every_s
         self._cost: Dict[Hashable, float] = {k: c for s in self.plan for k, c in s.cases}
         self._done: Dict[Hashable, bool] = {}  # key -> whether it ran (False: skipped when its suite ended)
+        self._took: List[Tuple[Hashable, float, float]] = []  # (key, estimated cost, seconds since the last event)
+        self._estimates: List[Tuple[float, float]] = []  # (elapsed, estimated seconds left) at every event
+        self._last_event = 0.0  # elapsed at the last suite start or case done
         self._suite = -1
         self._t0 = clock()
         self._last_line = float("-inf")
@@ -76,13 +80,15 @@ class Progress:
     def elapsed(self) -> float:
         return self.clock() - self._t0
 
-    def time_left(self) -> float:
-        """Estimated seconds left: the remaining cases' cost, times this run's pace so far (seconds per estimated
-        second, pulled towards 1.0 while few cases are done)."""
+    def pace(self) -> float:
+        """This run's seconds per estimated second so far, pulled towards 1.0 while few cases are done."""
         done = sum(c for k, c in self._cost.items() if self._done.get(k))
+        return (self.elapsed() + PRIOR_S) / (done + PRIOR_S)
+
+    def time_left(self) -> float:
+        """Estimated seconds left: the remaining cases' cost, times this run's pace so far."""
         left = sum(c for k, c in self._cost.items() if k not in self._done)
-        pace = (self.elapsed() + PRIOR_S) / (done + PRIOR_S)
-        return left * pace
+        return left * self.pace()
 
     def status(self) -> str:
         """suite 2/4 allreduce, cases 37/212 (17%), elapsed 1m12s, about 6m40s left"""
@@ -105,16 +111,34 @@ class Progress:
         """The suite ``name`` of the plan begins."""
         with self._lock:
             self._suite = next(i for i, s in enumerate(self.plan) if s.name == name)
+            self._event()
             self._report(force=True)
 
     def done(self, *keys: Hashable) -> None:
         """These cases are finished (measured or failed); keys already done or not in the plan are ignored."""
         with self._lock:
             new = [k for k in keys if k in self._cost and k not in self._done]
-            for k in new:
-                self._done[k] = True
+            now = self.elapsed()
+            for i, k in enumerate(new):
+                self._done[k] = True  # several keys at once: the time is the first one's
+                self._took.append((k, self._cost[k], now - self._last_event if i == 0 else 0.0))
             if new:
+                self._event()
                 self._report(force=False)
+
+    def _event(self) -> None:
+        self._last_event = self.elapsed()
+        self._estimates.append((self._last_event, self.time_left()))
+
+    def record(self) -> Dict[str, Any]:
+        """What the report estimated and what happened, for the run's JSON: every case done with its estimated
+        cost and the seconds since the event before it (suite start or case done: setup between cases counts to
+        the next case), and (elapsed, estimated seconds left) at every event."""
+        with self._lock:
+            return {"cases": [{"case": "/".join(str(x) for x in (k if isinstance(k, tuple) else (k,))),
+                               "estimate_s": round(c, 3), "seconds": round(t, 3)} for k, c, t in self._took],
+                    "estimates": [[round(e, 2), round(left, 2)] for e, left in self._estimates],
+                    "elapsed_s": round(self.elapsed(), 2)}
 
     def finish_suite(self) -> None:
         """The current suite ended: its cases not marked done did not run (a failure skipped them)."""
@@ -174,6 +198,24 @@ class Progress:
                 if self._suite >= 0 and not self._stop.is_set():
                     self._draw()
                     self.stream.flush()
+
+
+def estimate_check(record: Dict[str, Any], end_s: float,
+                   at: Sequence[float] = (0.1, 0.25, 0.5, 0.75, 0.9)) -> List[Dict[str, float]]:
+    """The time-left estimate against what really remained: at each fraction of the run (``end_s``: seconds from
+    the report's start to the run's end), the last estimate made by then, the seconds that remained after it, and
+    their ratio (1.0: exact; above: too long)."""
+    out: List[Dict[str, float]] = []
+    for frac in at:
+        made = [(e, left) for e, left in record.get("estimates", []) if e <= frac * end_s]
+        if not made:
+            continue
+        e, left = made[-1]
+        actual = end_s - e
+        if actual > 0:
+            out.append({"at": frac, "elapsed_s": round(e, 1), "estimate_s": round(left, 1),
+                        "remaining_s": round(actual, 1), "ratio": round(left / actual, 2)})
+    return out
 
 
 _active: Optional[Progress] = None

@@ -107,3 +107,34 @@ def test_emit_goes_through_the_active_report(capsys) -> None:
     _progress.emit("outside")
     assert out.getvalue() == "inside\n"
     assert capsys.readouterr().err == "outside\n"
+
+
+def test_record_keeps_each_cases_time_and_every_estimate() -> None:
+    """record(): each case with its estimated cost and the seconds since the event before it (a suite's start or
+    the case before), and (elapsed, estimate) at every event; estimate_check() compares those estimates with what
+    really remained."""
+    from benchmarks._progress import estimate_check
+
+    clock = Clock()
+    p = Progress(_plan(), stream=io.StringIO(), tty=False, clock=clock)
+    p.start_suite("p2p")
+    clock.t += 12
+    p.done("a")
+    clock.t += 28
+    p.done("b")
+    p.finish_suite()
+    p.start_suite("objects")
+    clock.t += 60
+    p.done("c", "a")  # "a" again: not counted twice
+    rec = p.record()
+    assert [(c["case"], c["estimate_s"], c["seconds"]) for c in rec["cases"]] == [("a", 10.0, 12.0),
+                                                                                 ("b", 30.0, 28.0),
+                                                                                 ("c", 60.0, 60.0)]
+    assert [e for e, _ in rec["estimates"]] == [0.0, 12.0, 40.0, 40.0, 100.0]
+    assert rec["estimates"][0][1] == 100.0 and rec["estimates"][-1][1] == 0.0
+    check = estimate_check(rec, 100.0, at=(0.0, 0.5, 1.0))
+    assert [c["at"] for c in check] == [0.0, 0.5]  # nothing remained at the end: no ratio there
+    assert check[0] == {"at": 0.0, "elapsed_s": 0.0, "estimate_s": 100.0, "remaining_s": 100.0, "ratio": 1.0}
+    assert check[1]["elapsed_s"] == 40.0 and check[1]["remaining_s"] == 60.0  # the last estimate made by 50 s
+    assert abs(check[1]["ratio"] - round(rec["estimates"][2][1] / 60.0, 2)) < 1e-9
+    assert abs(p.pace() - (100.0 + PRIOR_S) / (100.0 + PRIOR_S)) < 1e-9
