@@ -44,6 +44,12 @@ class BenchConfig:
     weight_sync_scale: float = 1.0  # the weight-sync suite's model: 1 = Qwen2.5-0.5B's shapes
     weight_sync_workers: List[int] = field(default_factory=lambda: [1, 2, 4])
     sharded_sync_rows: Optional[List[str]] = None  # the sharded-sync rows to run (None: all)
+    # What rdt-bench's default run (no --suites, no --full) leaves out of a suite; the defaults here run it whole.
+    p2p_alone: bool = True  # the p2p baselines that run as their own cases (torch.distributed, the object store)
+    object_impls: Optional[List[str]] = None  # the objects suite's rows (None: all)
+    object_rounds: float = 1.0  # the objects suite's warm-up and timed round trips per size, scaled
+    weight_sync_cases: Optional[List[str]] = None  # the weight-sync rows (None: all)
+    weight_sync_steps: Optional[int] = None  # weight-sync timed steps per row (None: --iters, else 5)
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

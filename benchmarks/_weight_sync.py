@@ -144,7 +144,13 @@ def marker(step: int) -> float:
 def iterations(config: Any) -> Tuple[int, int]:
     """(warmup, timed steps): few, since a full-size step moves about 1 GB per worker."""
     warmup = config.warmup if config.warmup is not None else 1
-    return warmup, config.iters or (3 if config.quick else 5)
+    return warmup, getattr(config, "weight_sync_steps", None) or config.iters or (3 if config.quick else 5)
+
+
+def selected(config: Any) -> Tuple[Case, ...]:
+    """The cases this run measures: CASES, or those named in ``config.weight_sync_cases``."""
+    chosen = getattr(config, "weight_sync_cases", None)
+    return CASES if chosen is None else tuple(c for c in CASES if c.impl in chosen)
 
 
 # ---------------------------------------------------------------------- one world size
@@ -409,14 +415,14 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
             world = World(shape, n, config.group_timeout)
         except Exception as e:  # noqa: BLE001 - every case of this world size gets the error
             rows += [dict(_base_row(shape, c.impl, n, "sync", consume=c.consume, mechanism=c.mechanism or "?"),
-                          error=f"setup: {_error(e)}") for c in CASES]
+                          error=f"setup: {_error(e)}") for c in selected(config)]
             continue
         try:
             if n == 1:
                 rows.append(copy_reference(world, warmup, iters))
                 rows.append(copy_reference(world, warmup, iters, threads=os.cpu_count() or 1))
                 ctx.progress.done((SUITE, "reference"))
-            for case in CASES:
+            for case in selected(config):
                 rows.append(run_case(world, case, warmup, iters, step))
                 step += warmup + iters + 1
                 ctx.progress.done((SUITE, case.impl, n))
@@ -439,7 +445,7 @@ def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
         if n == 1:
             out.append(((SUITE, "reference"), world + estimate_s(2 * (warmup + 1 + iters), nbytes, 1)))
             world = 0.0
-        for i, case in enumerate(CASES):
+        for i, case in enumerate(selected(config)):
             out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0)
                         + estimate_s(warmup + iters + 1, nbytes, max(1, n // 2))))
         if n == min(config.weight_sync_workers):
