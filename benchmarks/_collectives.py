@@ -18,12 +18,15 @@ from ._units import fmt_size
 
 ALGORITHMS: Tuple[str, ...] = ("ring", "bde", "tree")
 ROOT_CHECK_TOL = 1e-3
-# Rough costs for rdt-bench's estimate of the time left, fitted to a default run on the 2-core CI machine (the
-# run's own pace rescales them): per case set up, per operation (times ranks squared: they share two cores), and
-# per byte a rank moves.
+# Rough costs for rdt-bench's estimate of the time left, in seconds of the 2-core reference machine when quiet
+# (the run's own pace rescales them): a group formed among running actors, a fresh actor (a worker process that
+# imports torch, Ray and rdt), one operation (times ranks squared: they share two cores), a byte a rank moves,
+# and a byte copied in memory (weight sync's in-process copy: 100 ms for 988 MB, the 2026-11-27 10:03 run).
 EST_SETUP_S = 2.0
+EST_ACTOR_S = 1.5
 EST_CALL_S = 0.0005
 EST_BYTES_PER_S = 2e9
+EST_COPY_BYTES_PER_S = 1e10
 
 
 # ---------------------------------------------------------------------- configuration and context

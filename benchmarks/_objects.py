@@ -19,7 +19,7 @@ import torch
 import rdt
 
 from ._cluster import log
-from ._collectives import EST_SETUP_S, estimate_s
+from ._collectives import EST_ACTOR_S, EST_BYTES_PER_S, EST_SETUP_S
 from ._mechanism import comparable, describe_pair, object_mechanism
 
 PAGE_FLOATS = 1024
@@ -164,16 +164,26 @@ def _round_trip(a: Any, b: Any, method: str, expect: float, timeout: float) -> f
     return dt
 
 
+# For the time-left estimate (the 2026-11-27 10:03 run, 2-core reference machine): a round trip's fixed cost, the
+# driver's calls around each implementation and size (rdt.stats of both sides, the inline threshold), and the bytes
+# each implementation moves per byte of the object, against EST_BYTES_PER_S (Ray's object store: 590 ms at 128 MiB).
+EST_TRIP_S = 0.002
+EST_CASE_S = 0.3
+EST_COPIES: Dict[str, float] = {"ray-objstore": 9.0, "ray-rdt-gloo": 1.8, "ray-rdt-nixl": 1.0}
+EST_RDT_COPIES = 0.6
+
+
 def objects_plan(config: Any) -> List[Tuple[Any, float]]:
     """The progress keys and estimated costs of :func:`objects_suite`: one per implementation and size."""
     out: List[Tuple[Any, float]] = []
     for nbytes in config.sizes:
         warmup, iters = _iterations(nbytes, config.quick, config.object_rounds)
         memory = 1 if nbytes == max(config.sizes) and not config.quick else 0  # the peak-RSS round trip
-        out += [(("objects", impl, nbytes), estimate_s(warmup + iters + memory, nbytes, 2))
-                for impl, _ in selected(config)]
+        out += [(("objects", impl, nbytes), EST_CASE_S + (warmup + iters + memory) * (
+            EST_TRIP_S + nbytes * EST_COPIES.get(impl, EST_RDT_COPIES) / EST_BYTES_PER_S))
+            for impl, _ in selected(config)]
     if out:  # the first case also pays for the two actors and their two groups
-        out[0] = (out[0][0], out[0][1] + 3 * EST_SETUP_S)
+        out[0] = (out[0][0], out[0][1] + 2 * EST_ACTOR_S + 2 * EST_SETUP_S)
     return out
 
 

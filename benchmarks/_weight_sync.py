@@ -26,7 +26,7 @@ import ray
 import rdt
 
 from ._cluster import log
-from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
+from ._collectives import EST_ACTOR_S, EST_COPY_BYTES_PER_S, EST_SETUP_S
 from ._mechanism import object_mechanism
 from ._weight_sync_actor import PAGE_FLOATS, Shape, actor_class
 
@@ -434,21 +434,38 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     return rows
 
 
+# For the time-left estimate: a step of each case at n workers, in in-process copies of the model (a + b * n),
+# fitted to the 2026-11-27 10:03 run at full scale (2-core reference machine); the driver's calls around a case
+# (rdt.stats, the pools turned off and on for the memory step); a step's per-tensor cost.
+EST_STEP_COPIES: Dict[str, Tuple[float, float]] = {
+    "ray-objstore": (28.5, 1.5), "ray-rdt-gloo": (1.3, 5.1), "ray.collective-broadcast": (2.4, 2.2),
+    "rdt-gloo+copy": (0.7, 2.5), "rdt-shm+copy": (0.8, 1.2), "rdt-nixl+copy": (1.7, 1.1),
+    "rdt-gloo+into": (1.2, 1.8), "rdt-shm+into": (0.3, 0.8), "rdt-nixl+into": (1.1, 0.7),
+    "rdt-shm-shared+into": (0.2, 0.4)}
+EST_CASE_S = 0.5
+EST_TENSOR_S = 0.0002
+
+
 def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     """The progress keys and estimated costs of :func:`weight_sync_suite`: the references, each case at each
     worker count (the first of a worker count also pays for its actors, model and groups) and the tensor counts."""
-    nbytes = model_shape(config.weight_sync_scale).nbytes
+    shape = model_shape(config.weight_sync_scale)
+    copy_s = shape.nbytes / EST_COPY_BYTES_PER_S
+    tensors = len(shape.shapes())
     warmup, iters = iterations(config)
     out: List[Tuple[Any, float]] = []
     for n in config.weight_sync_workers:
-        world = EST_SETUP_S * (2 + n) + 2 * (n + 1) * nbytes / EST_BYTES_PER_S
+        world = (n + 1) * (EST_ACTOR_S + copy_s) + 3 * EST_SETUP_S  # actors, the model written, three groups
         if n == 1:
-            out.append(((SUITE, "reference"), world + estimate_s(2 * (warmup + 1 + iters), nbytes, 1)))
+            out.append(((SUITE, "reference"), world + 2 * (warmup + 1 + iters) * copy_s))
             world = 0.0
         for i, case in enumerate(selected(config)):
-            out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0)
-                        + estimate_s(warmup + iters + 1, nbytes, max(1, n // 2))))
+            a, b = EST_STEP_COPIES.get(case.impl, (1.0, 1.0))
+            step = (a + b * n) * copy_s + tensors * n * EST_TENSOR_S
+            out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0) + EST_CASE_S
+                        + (warmup + iters + 1) * step))
         if n == min(config.weight_sync_workers):
-            out.append(((SUITE, "tensor-count"), estimate_s(18 * len(COUNTS) * len(COUNT_TRANSPORTS), COUNT_BYTES, 2)))
+            trips = (6 if config.quick else 18) * len(COUNT_TRANSPORTS)  # 4-5 ms with 1 tensor, 7-10 with 1 000
+            out.append(((SUITE, "tensor-count"), EST_CASE_S + sum(
+                trips * (0.004 + count * 5e-6 + COUNT_BYTES / EST_COPY_BYTES_PER_S) for count in COUNTS)))
     return out
-
