@@ -23,7 +23,7 @@ ROOT_CHECK_TOL = 1e-3
 # imports torch, Ray and rdt), one operation (times ranks squared: they share two cores), a byte a rank moves,
 # and a byte copied in memory (weight sync's in-process copy: 100 ms for 988 MB, the 2026-11-27 10:03 run).
 EST_SETUP_S = 2.0
-EST_ACTOR_S = 1.5
+EST_ACTOR_S = 2.0
 EST_CALL_S = 0.0005
 EST_BYTES_PER_S = 2e9
 EST_COPY_BYTES_PER_S = 1e10
@@ -53,6 +53,7 @@ class BenchConfig:
     object_rounds: float = 1.0  # the objects suite's warm-up and timed round trips per size, scaled
     weight_sync_cases: Optional[List[str]] = None  # the weight-sync rows (None: all)
     weight_sync_steps: Optional[int] = None  # weight-sync timed steps per row (None: --iters, else 5)
+    sharded_sync_calibrate: bool = True  # measure the range costs (else the transports' declared ones, as a user gets)
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

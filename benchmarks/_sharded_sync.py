@@ -378,6 +378,16 @@ def soak_steps(scale: float) -> int:
     return max(20, min(SOAK_STEPS, round(SOAK_STEPS * scale * 10)))
 
 
+def calibrated(config: Any) -> List[str]:
+    """The transports whose range costs this run measures: those of the selected rows that load, unless the
+    calibration is off (``config.sharded_sync_calibrate``)."""
+    if not getattr(config, "sharded_sync_calibrate", True):
+        return []
+    chosen = getattr(config, "sharded_sync_rows", None)
+    return [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
+                                                     (chosen is None or c.impl in chosen) for c in CASES)]
+
+
 def run_soak(world: Row, steps: int) -> Dict[str, Any]:
     """Issue 30's soak on ``world``'s actors over ``SOAK_TRANSPORT``: every step the trainer ranks publish their
     version, the engine ranks ``load(manifest, verify=True)`` it while the trainers, after a random "backward
@@ -466,12 +476,13 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     rows = []
     chosen = getattr(config, "sharded_sync_rows", None)
     soak: Dict[str, Any] = {}
-    wanted = [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
-                                                       (chosen is None or c.impl in chosen) for c in CASES)]
+    wanted = calibrated(config)
     rows_ = CAL_ROWS if shape.scale >= 0.1 else CAL_SMALL_ROWS
     measured = calibrate(wanted, config.group_timeout, rows_) if wanted else {}
+    declared = not getattr(config, "sharded_sync_calibrate", True)
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
-                     mechanism="exact runs, 2 fresh actors per transport", calibration=measured))
+                     mechanism="the transports' declared range costs" if declared else
+                     "exact runs, 2 fresh actors per transport", calibration=measured, declared=declared))
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
             rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
@@ -512,12 +523,12 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     setup = (TRAINERS + ENGINES * TP) * EST_ACTOR_S + 3 * copy_s + EST_SETUP_S
     chosen = getattr(config, "sharded_sync_rows", None)
     cases = [c for c in CASES if chosen is None or c.impl in chosen]
-    calibrated = {t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") for c in cases)}
+    calibration = len(calibrated(config)) * EST_CALIBRATION_S
     out: List[Tuple[Any, float]] = []
     for i, c in enumerate(cases):
         step = EST_STEP_COPIES.get((c.kind, c.transport), 10.0) * copy_s + tensors * EST_TENSOR_S
         solo = SOLO_LOADS * ENGINES * TP * step / 2 if c.kind == "sharded" else 0.0
-        out.append(((SUITE, c.impl), (len(calibrated) * EST_CALIBRATION_S if i == 0 else 0.0) + setup
+        out.append(((SUITE, c.impl), (calibration if i == 0 else 0.0) + setup
                     + (warmup + iters + 1) * step + solo + 2 * copy_s))
     soak = chosen is None or SOAK_ROW in chosen
     return out + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * (EST_SOAK_STEP_COPIES * copy_s + 0.05)

@@ -455,7 +455,8 @@ def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     warmup, iters = iterations(config)
     out: List[Tuple[Any, float]] = []
     for n in config.weight_sync_workers:
-        world = (n + 1) * (EST_ACTOR_S + copy_s) + 3 * EST_SETUP_S  # actors, the model written, three groups
+        # actors, the model written, three groups formed (their members joining one after another)
+        world = (n + 1) * (EST_ACTOR_S + copy_s + 1.5 * EST_SETUP_S)
         if n == 1:
             out.append(((SUITE, "reference"), world + 2 * (warmup + 1 + iters) * copy_s))
             world = 0.0
@@ -465,7 +466,10 @@ def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
             out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0) + EST_CASE_S
                         + (warmup + iters + 1) * step))
         if n == min(config.weight_sync_workers):
-            trips = (6 if config.quick else 18) * len(COUNT_TRANSPORTS)  # 4-5 ms with 1 tensor, 7-10 with 1 000
-            out.append(((SUITE, "tensor-count"), EST_CASE_S + sum(
-                trips * (0.004 + count * 5e-6 + COUNT_BYTES / EST_COPY_BYTES_PER_S) for count in COUNTS)))
+            # per tensor count: the trainer makes the object, then per transport rdt.stats of every actor before and
+            # after its round trips (4-5 ms with 1 tensor, 7-10 with 1 000)
+            trips = 6 if config.quick else 18
+            out.append(((SUITE, "tensor-count"), sum(
+                EST_CASE_S + len(COUNT_TRANSPORTS) * (0.05 * (n + 1) + trips * (
+                    0.004 + count * 5e-6 + COUNT_BYTES / EST_COPY_BYTES_PER_S)) for count in COUNTS)))
     return out
