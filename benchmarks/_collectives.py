@@ -18,12 +18,15 @@ from ._units import fmt_size
 
 ALGORITHMS: Tuple[str, ...] = ("ring", "bde", "tree")
 ROOT_CHECK_TOL = 1e-3
-# Rough costs for rdt-bench's estimate of the time left, fitted to a default run on the 2-core CI machine (the
-# run's own pace rescales them): per case set up, per operation (times ranks squared: they share two cores), and
-# per byte a rank moves.
+# Rough costs for rdt-bench's estimate of the time left, in seconds of the 2-core reference machine when quiet
+# (the run's own pace rescales them): a group formed among running actors, a fresh actor (a worker process that
+# imports torch, Ray and rdt), one operation (times ranks squared: they share two cores), a byte a rank moves,
+# and a byte copied in memory (weight sync's in-process copy: 100 ms for 988 MB, the 2026-11-27 10:03 run).
 EST_SETUP_S = 2.0
+EST_ACTOR_S = 2.0
 EST_CALL_S = 0.0005
 EST_BYTES_PER_S = 2e9
+EST_COPY_BYTES_PER_S = 1e10
 
 
 # ---------------------------------------------------------------------- configuration and context
@@ -44,6 +47,13 @@ class BenchConfig:
     weight_sync_scale: float = 1.0  # the weight-sync suite's model: 1 = Qwen2.5-0.5B's shapes
     weight_sync_workers: List[int] = field(default_factory=lambda: [1, 2, 4])
     sharded_sync_rows: Optional[List[str]] = None  # the sharded-sync rows to run (None: all)
+    # What rdt-bench's default run (no --suites, no --full) leaves out of a suite; the defaults here run it whole.
+    p2p_alone: bool = True  # the p2p baselines that run as their own cases (torch.distributed, the object store)
+    object_impls: Optional[List[str]] = None  # the objects suite's rows (None: all)
+    object_rounds: float = 1.0  # the objects suite's warm-up and timed round trips per size, scaled
+    weight_sync_cases: Optional[List[str]] = None  # the weight-sync rows (None: all)
+    weight_sync_steps: Optional[int] = None  # weight-sync timed steps per row (None: --iters, else 5)
+    sharded_sync_calibrate: bool = True  # measure the range costs (else the transports' declared ones, as a user gets)
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

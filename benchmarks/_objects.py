@@ -19,7 +19,7 @@ import torch
 import rdt
 
 from ._cluster import log
-from ._collectives import EST_SETUP_S, estimate_s
+from ._collectives import EST_ACTOR_S, EST_BYTES_PER_S, EST_SETUP_S
 from ._mechanism import comparable, describe_pair, object_mechanism
 
 PAGE_FLOATS = 1024
@@ -99,16 +99,28 @@ RAY_MECHANISMS: Dict[str, str] = {"ray-objstore": "object_store", "ray-rdt-gloo"
                                   "ray-rdt-nixl": "ray-rdt (nixl)"}
 
 
-def _iterations(nbytes: int, quick: bool) -> Tuple[int, int]:
+def _iterations(nbytes: int, quick: bool, scale: float = 1.0) -> Tuple[int, int]:
+    """(warm-up, timed) round trips per implementation at ``nbytes``; ``scale`` shrinks both (rdt-bench's default
+    run), keeping at least 2 warm-ups (the first fills pools) and 5 timed."""
     if quick:
         return 1, 3
     if nbytes <= 64 << 10:
-        return 20, 200
-    if nbytes <= 1 << 20:
-        return 5, 30
-    if nbytes <= 16 << 20:
-        return 3, 15
-    return 4, 13  # the first uses fill pools (shm segments, huge pages); the median is the steady state
+        warmup, iters = 20, 200
+    elif nbytes <= 1 << 20:
+        warmup, iters = 5, 30
+    elif nbytes <= 16 << 20:
+        warmup, iters = 3, 15
+    else:
+        warmup, iters = 4, 13  # the first uses fill pools (shm segments, huge pages); the median is the steady state
+    if scale >= 1:
+        return warmup, iters
+    return max(2, round(warmup * scale)), max(5, round(iters * scale))
+
+
+def selected(config: Any) -> Tuple[Tuple[str, str], ...]:
+    """The implementations this run measures: IMPLS, or those named in ``config.object_impls``."""
+    chosen = getattr(config, "object_impls", None)
+    return IMPLS if chosen is None else tuple((impl, m) for impl, m in IMPLS if impl in chosen)
 
 
 class _RssSampler:
@@ -152,15 +164,29 @@ def _round_trip(a: Any, b: Any, method: str, expect: float, timeout: float) -> f
     return dt
 
 
+# For the time-left estimate (the 2026-11-27 10:03 run, 2-core reference machine): a round trip's fixed cost, the
+# driver's calls around each implementation and size (rdt.stats of both sides, the inline threshold), and the bytes
+# each implementation moves per byte of the object, against EST_BYTES_PER_S (Ray's object store: 590 ms at 128 MiB).
+EST_TRIP_S = 0.002
+EST_CASE_S = 0.3
+EST_COPIES: Dict[str, float] = {"ray-objstore": 9.0, "ray-rdt-gloo": 1.8, "ray-rdt-nixl": 1.0}
+EST_RDT_COPIES = 0.6
+
+
 def objects_plan(config: Any) -> List[Tuple[Any, float]]:
     """The progress keys and estimated costs of :func:`objects_suite`: one per implementation and size."""
     out: List[Tuple[Any, float]] = []
     for nbytes in config.sizes:
-        warmup, iters = _iterations(nbytes, config.quick)
+        warmup, iters = _iterations(nbytes, config.quick, config.object_rounds)
         memory = 1 if nbytes == max(config.sizes) and not config.quick else 0  # the peak-RSS round trip
-        out += [(("objects", impl, nbytes), estimate_s(warmup + iters + memory, nbytes, 2)) for impl, _ in IMPLS]
-    if out:  # the first case also pays for the two actors and their two groups
-        out[0] = (out[0][0], out[0][1] + 3 * EST_SETUP_S)
+        out += [(("objects", impl, nbytes), EST_CASE_S + (warmup + iters + memory) * (
+            EST_TRIP_S + nbytes * EST_COPIES.get(impl, EST_RDT_COPIES) / EST_BYTES_PER_S))
+            for impl, _ in selected(config)]
+    if out:  # the first case also pays for the two actors and their two groups, Ray's RDT for its first transfer
+        out[0] = (out[0][0], out[0][1] + 2 * EST_ACTOR_S + 3 * EST_SETUP_S)
+        first = next((i for i, (key, _) in enumerate(out) if key[1] == "ray-rdt-gloo"), None)
+        if first is not None:
+            out[first] = (out[first][0], out[first][1] + EST_SETUP_S / 2)
     return out
 
 
@@ -180,9 +206,9 @@ def objects_suite(ctx: Any) -> List[Dict[str, Any]]:
             pid_a = ray.get(a.prepare.remote(nbytes), timeout=120)
             pid_b = ray.get(b.prepare.remote(4), timeout=120)
             expect = float(len(range(0, max(nbytes // 4, 1), PAGE_FLOATS)))
-            warmup, iters = _iterations(nbytes, quick)
+            warmup, iters = _iterations(nbytes, quick, ctx.config.object_rounds)
             timeout = 60.0 + nbytes / 20e6
-            for impl, method in IMPLS:
+            for impl, method in selected(ctx.config):
                 ray.get(a.set_inline.remote(0 if impl.endswith("noinline") else 64 << 10), timeout=60)
                 row: Dict[str, Any] = {"suite": "objects", "impl": impl, "size": nbytes, "world_size": 2,
                                        "mode": "round-trip", "mechanism": RAY_MECHANISMS.get(impl, "?")}

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 from ._baselines import RayCollectiveImpl
 from ._cluster import log
 from ._collectives import (EST_SETUP_S, BenchContext, Impl, RdtImpl, _ask_mechanism, _first_line, check, error_row,
-                           estimate_s, fmt_size, gather_times, make_row, make_tensor, prime)
+                           fmt_size, gather_times, make_row, make_tensor, prime)
 
 MODES: Tuple[str, ...] = ("back-to-back", "barrier")
 WORLD_SIZE = 2
@@ -219,14 +219,20 @@ def _measure_sizes(ctx: BenchContext, ready: List[Tuple[Impl, Lib]]) -> List[Dic
     return rows
 
 
+EST_CALL_S = 0.0003  # one barrier or small transfer between the two actors (4 KiB rounds of the 10:03 run)
+EST_BYTES_PER_S = 5e9  # one large transfer (128 MiB rounds of the same run: 25 ms a transfer, the libraries' mean)
+
+
 def interleaved_plan(config: Any, nlibs: int) -> List[Tuple[Any, float]]:
-    """The progress keys and estimated costs of :func:`interleaved_p2p` over ``nlibs`` libraries: one per size."""
+    """The progress keys and estimated costs of :func:`interleaved_p2p` over ``nlibs`` libraries: one per size
+    (the first also forms every library's group)."""
     out: List[Tuple[Any, float]] = []
     for i, nbytes in enumerate(config.sizes):
         warmup, iters = rounds_for(config, nbytes)
-        calls = nlibs * (warmup + iters) * (1 + burst_for(nbytes, config.quick))
+        burst = burst_for(nbytes, config.quick)
+        per_round = (3 + burst) * EST_CALL_S + (1 + burst) * nbytes / EST_BYTES_PER_S  # two barriers, 1 + burst
         out.append((("p2p", "interleaved", nbytes), (nlibs * EST_SETUP_S if i == 0 else 0.0)
-                    + estimate_s(calls, nbytes, 1)))  # one transfer at a time
+                    + nlibs * (1 + warmup + iters) * per_round))
     return out
 
 

@@ -3,8 +3,11 @@
 A terminal gets one progress bar on its last line, redrawn below the log lines; anything else (a CI log, a pipe)
 gets plain ``rdt-bench progress:`` lines at each suite's start and end and at most every ``every_s`` seconds
 between. The time left weighs each case by a rough cost estimate (a 128 MiB case costs more than a 4 KiB one),
-scaled by how fast this machine has gone through the cases so far. No Ray here: the unit tests drive it with a
-fake clock.
+scaled by how fast this machine has gone through the cases so far (starting from a prior pace: rdt-bench's comes
+from the load average when the run starts, :func:`load_pace`). The report also keeps what it estimated and what
+each case took (:meth:`Progress.record`, saved in the run's JSON), so that the estimate can be checked against what
+really remained (:func:`estimate_check`) and the costs refitted. No Ray here: the unit tests drive it with a fake
+clock.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, TextIO, Tuple
 
-PRIOR_S = 30.0  # estimated seconds of cases the pace is assumed to be 1.0 over, until the cases done outweigh it
+PRIOR_S = 30.0  # estimated seconds of cases the pace is assumed to be the prior pace over, until the cases done
+# outweigh it
+LOAD_PACE = 0.8  # prior pace per runnable process per core already there: two default runs on the 2-core reference
+# machine (2026-11-29, 1-min load average 10 and 13 at their start) took 4.6 and 4.7x their plan
 LINE_EVERY_S = 10.0  # plain lines: at most one per this many seconds between a suite's start and end
 TICK_S = 1.0  # terminal: the bar is redrawn this often, so the elapsed time moves during a long case
 BAR_WIDTH = 24
@@ -44,7 +50,8 @@ class Progress:
     """Tracks the plan of a run and reports it on ``stream``; ``write`` prints a log line without breaking the bar."""
 
     def __init__(self, plan: Sequence[SuitePlan], stream: Optional[TextIO] = None, tty: Optional[bool] = None,
-                 clock: Callable[[], float] = time.monotonic, every_s: float = LINE_EVERY_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, every_s: float = LINE_EVERY_S,
+                 prior_pace: float = 1.0) -> None:
         self.plan = list(plan)
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(tty if tty is not None else getattr(self.stream, "isatty", lambda: False)())
@@ -52,6 +59,10 @@ class Progress:
         self.every_s = every_s
         self._cost: Dict[Hashable, float] = {k: c for s in self.plan for k, c in s.cases}
         self._done: Dict[Hashable, bool] = {}  # key -> whether it ran (False: skipped when its suite ended)
+        self.prior_pace = prior_pace
+        self._took: List[Tuple[Hashable, float, float]] = []  # (key, estimated cost, seconds since the last event)
+        self._events: List[Tuple[float, float, float]] = []  # (elapsed, cost done, cost left) at every event
+        self._last_event = 0.0  # elapsed at the last suite start or case done
         self._suite = -1
         self._t0 = clock()
         self._last_line = float("-inf")
@@ -76,13 +87,19 @@ class Progress:
     def elapsed(self) -> float:
         return self.clock() - self._t0
 
-    def time_left(self) -> float:
-        """Estimated seconds left: the remaining cases' cost, times this run's pace so far (seconds per estimated
-        second, pulled towards 1.0 while few cases are done)."""
+    def _costs(self) -> Tuple[float, float]:
+        """(estimated cost of the cases run, of the cases not done yet)."""
         done = sum(c for k, c in self._cost.items() if self._done.get(k))
-        left = sum(c for k, c in self._cost.items() if k not in self._done)
-        pace = (self.elapsed() + PRIOR_S) / (done + PRIOR_S)
-        return left * pace
+        return done, sum(c for k, c in self._cost.items() if k not in self._done)
+
+    def pace(self) -> float:
+        """This run's seconds per estimated second so far, pulled towards the prior pace while few cases are
+        done."""
+        return pace(self.elapsed(), self._costs()[0], self.prior_pace)
+
+    def time_left(self) -> float:
+        """Estimated seconds left: the remaining cases' cost, times this run's pace so far."""
+        return self._costs()[1] * self.pace()
 
     def status(self) -> str:
         """suite 2/4 allreduce, cases 37/212 (17%), elapsed 1m12s, about 6m40s left"""
@@ -105,16 +122,35 @@ class Progress:
         """The suite ``name`` of the plan begins."""
         with self._lock:
             self._suite = next(i for i, s in enumerate(self.plan) if s.name == name)
+            self._event()
             self._report(force=True)
 
     def done(self, *keys: Hashable) -> None:
         """These cases are finished (measured or failed); keys already done or not in the plan are ignored."""
         with self._lock:
             new = [k for k in keys if k in self._cost and k not in self._done]
-            for k in new:
-                self._done[k] = True
+            now = self.elapsed()
+            for i, k in enumerate(new):
+                self._done[k] = True  # several keys at once: the time is the first one's
+                self._took.append((k, self._cost[k], now - self._last_event if i == 0 else 0.0))
             if new:
+                self._event()
                 self._report(force=False)
+
+    def _event(self) -> None:
+        self._last_event = self.elapsed()
+        self._events.append((self._last_event, *self._costs()))
+
+    def record(self) -> Dict[str, Any]:
+        """What the report estimated and what happened, for the run's JSON: every case done with its estimated
+        cost and the seconds since the event before it (suite start or case done: setup between cases counts to
+        the next case); (elapsed, cost done, cost left) at every event, from which :func:`estimate_at` gives the
+        estimate shown at any moment; the prior pace."""
+        with self._lock:
+            return {"cases": [{"case": "/".join(str(x) for x in (k if isinstance(k, tuple) else (k,))),
+                               "estimate_s": round(c, 3), "seconds": round(t, 3)} for k, c, t in self._took],
+                    "events": [[round(e, 3), round(d, 3), round(left, 3)] for e, d, left in self._events],
+                    "prior_pace": self.prior_pace, "prior_s": PRIOR_S, "elapsed_s": round(self.elapsed(), 2)}
 
     def finish_suite(self) -> None:
         """The current suite ended: its cases not marked done did not run (a failure skipped them)."""
@@ -122,6 +158,7 @@ class Progress:
             if 0 <= self._suite < len(self.plan):
                 for k, _ in self.plan[self._suite].cases:
                     self._done.setdefault(k, False)
+            self._event()
             self._report(force=True)
 
     def write(self, msg: str) -> None:
@@ -174,6 +211,44 @@ class Progress:
                 if self._suite >= 0 and not self._stop.is_set():
                     self._draw()
                     self.stream.flush()
+
+
+def pace(elapsed: float, cost_done: float, prior_pace: float = 1.0, prior_s: float = PRIOR_S) -> float:
+    """Seconds per estimated second: the time so far over the cost of the cases done, with ``prior_s`` estimated
+    seconds at ``prior_pace`` added to both."""
+    return (elapsed + prior_s * prior_pace) / (cost_done + prior_s)
+
+
+def load_pace(load: float, cores: int) -> float:
+    """The prior pace on a machine whose load average (runnable processes) is ``load`` before the run starts: 1
+    where it has a core to spare, LOAD_PACE per process per core above that."""
+    return max(1.0, LOAD_PACE * load / max(cores, 1))
+
+
+def estimate_at(record: Dict[str, Any], t: float) -> Optional[float]:
+    """The time left the report showed ``t`` seconds into the run (a terminal's bar is redrawn every second), from
+    :meth:`Progress.record`; None before its first event."""
+    made = [ev for ev in record.get("events", []) if ev[0] <= t]
+    if not made:
+        return None
+    _, done, left = made[-1]
+    return left * pace(t, done, record.get("prior_pace", 1.0), record.get("prior_s", PRIOR_S))
+
+
+def estimate_check(record: Dict[str, Any], end_s: float,
+                   at: Sequence[float] = (0.1, 0.25, 0.5, 0.75, 0.9)) -> List[Dict[str, float]]:
+    """The time-left estimate against what really remained: at each fraction of the run (``end_s``: seconds from
+    the report's start to the run's end), the estimate shown then, the seconds that remained, and their ratio
+    (1.0: exact; above: too long)."""
+    out: List[Dict[str, float]] = []
+    for frac in at:
+        t = frac * end_s
+        left = estimate_at(record, t)
+        if left is None or end_s - t <= 0:
+            continue
+        out.append({"at": frac, "elapsed_s": round(t, 1), "estimate_s": round(left, 1),
+                    "remaining_s": round(end_s - t, 1), "ratio": round(left / (end_s - t), 2)})
+    return out
 
 
 _active: Optional[Progress] = None

@@ -39,7 +39,7 @@ import ray
 import rdt
 
 from ._cluster import log
-from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
+from ._collectives import EST_ACTOR_S, EST_COPY_BYTES_PER_S, EST_SETUP_S
 from ._mechanism import object_mechanism
 from ._range_costs import ROWS as CAL_ROWS, SMALL_ROWS as CAL_SMALL_ROWS, calibrate, costs as range_costs
 from ._sharded_sync_actor import actor_class
@@ -378,6 +378,16 @@ def soak_steps(scale: float) -> int:
     return max(20, min(SOAK_STEPS, round(SOAK_STEPS * scale * 10)))
 
 
+def calibrated(config: Any) -> List[str]:
+    """The transports whose range costs this run measures: those of the selected rows that load, unless the
+    calibration is off (``config.sharded_sync_calibrate``)."""
+    if not getattr(config, "sharded_sync_calibrate", True):
+        return []
+    chosen = getattr(config, "sharded_sync_rows", None)
+    return [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
+                                                     (chosen is None or c.impl in chosen) for c in CASES)]
+
+
 def run_soak(world: Row, steps: int) -> Dict[str, Any]:
     """Issue 30's soak on ``world``'s actors over ``SOAK_TRANSPORT``: every step the trainer ranks publish their
     version, the engine ranks ``load(manifest, verify=True)`` it while the trainers, after a random "backward
@@ -466,12 +476,13 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     rows = []
     chosen = getattr(config, "sharded_sync_rows", None)
     soak: Dict[str, Any] = {}
-    wanted = [t for t in ("shm", "nixl", "gloo") if any(c.loads and c.transport in (t, "auto") and
-                                                       (chosen is None or c.impl in chosen) for c in CASES)]
+    wanted = calibrated(config)
     rows_ = CAL_ROWS if shape.scale >= 0.1 else CAL_SMALL_ROWS
     measured = calibrate(wanted, config.group_timeout, rows_) if wanted else {}
+    declared = not getattr(config, "sharded_sync_calibrate", True)
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
-                     mechanism="exact runs, 2 fresh actors per transport", calibration=measured))
+                     mechanism="the transports' declared range costs" if declared else
+                     "exact runs, 2 fresh actors per transport", calibration=measured, declared=declared))
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
             rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
@@ -490,14 +501,35 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     return rows
 
 
+# For the time-left estimate: a step of each row in in-process copies of the model, from the 2026-11-27 22:49 run at
+# full scale (2-core reference machine); a step's per-tensor cost (8 actors on 2 cores); one transport's
+# calibration (2 fresh actors, 18 loads); a soak step in copies of the model (200 steps: 614 s at full scale).
+EST_STEP_COPIES: Dict[Tuple[str, str], float] = {
+    ("hand", ""): 42.0, ("ray-rdt", ""): 68.0, ("whole", "shm"): 9.0, ("whole", "nixl"): 12.0,
+    ("whole", "gloo"): 24.0, ("whole", "auto"): 10.0, ("sharded", "shm"): 4.5, ("sharded", "nixl"): 6.5,
+    ("sharded", "gloo"): 11.5, ("sharded", "auto"): 5.5, ("replicas", "shm"): 5.0}
+EST_TENSOR_S = 0.002
+EST_CALIBRATION_S = 2 * EST_ACTOR_S + 2.0
+EST_SOAK_STEP_COPIES = 31.0
+
+
 def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
-    """Progress keys and rough costs: each case (8 actors, the model allocated, its steps), and the soak."""
-    nbytes = model_shape(config.weight_sync_scale).nbytes
+    """Progress keys and rough costs: each case (8 fresh actors, the model's shards and targets written, its timed
+    and memory steps, the replayed loads and the byte check; the first also the calibration), and the soak."""
+    shape = model_shape(config.weight_sync_scale)
+    copy_s = shape.nbytes / EST_COPY_BYTES_PER_S
+    tensors = len(shape.shapes())
     warmup, iters = iterations(config)
-    setup = EST_SETUP_S * (TRAINERS + ENGINES * TP) + 3 * nbytes / EST_BYTES_PER_S
-    copies = {"hand": 8, "ray-rdt": 10, "whole": 6, "sharded": 1, "replicas": 1}
+    setup = (TRAINERS + ENGINES * TP) * EST_ACTOR_S + 3 * copy_s + EST_SETUP_S
     chosen = getattr(config, "sharded_sync_rows", None)
-    return [((SUITE, c.impl), setup + estimate_s(warmup + iters + 2, nbytes * copies[c.kind], 1)) for c in CASES
-            if chosen is None or c.impl in chosen] \
-        + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * 2 * nbytes / EST_BYTES_PER_S
-            if chosen is None or SOAK_ROW in chosen else 0.0)]
+    cases = [c for c in CASES if chosen is None or c.impl in chosen]
+    calibration = len(calibrated(config)) * EST_CALIBRATION_S
+    out: List[Tuple[Any, float]] = []
+    for i, c in enumerate(cases):
+        step = EST_STEP_COPIES.get((c.kind, c.transport), 10.0) * copy_s + tensors * EST_TENSOR_S
+        solo = SOLO_LOADS * ENGINES * TP * step / 2 if c.kind == "sharded" else 0.0
+        out.append(((SUITE, c.impl), (calibration if i == 0 else 0.0) + setup
+                    + (warmup + iters + 1) * step + solo + 2 * copy_s))
+    soak = chosen is None or SOAK_ROW in chosen
+    return out + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * (EST_SOAK_STEP_COPIES * copy_s + 0.05)
+                   if soak else 0.0)]

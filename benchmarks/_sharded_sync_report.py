@@ -94,6 +94,8 @@ def covering_ratio(r: Mapping[str, Any]) -> float:
 
 def _calibration(r: Mapping[str, Any]) -> str:
     """The calibration row as one line: each transport's measured cost per range and bandwidth."""
+    if r.get("declared"):
+        return "range costs: the transports' declared ones (this run does not measure them; --full does)"
     parts = []
     for name, c in (r.get("calibration") or {}).items():
         parts.append(f"{name}: error {c['error'][:60]}" if "error" in c else

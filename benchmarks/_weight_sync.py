@@ -26,7 +26,7 @@ import ray
 import rdt
 
 from ._cluster import log
-from ._collectives import EST_BYTES_PER_S, EST_SETUP_S, estimate_s
+from ._collectives import EST_ACTOR_S, EST_COPY_BYTES_PER_S, EST_SETUP_S
 from ._mechanism import object_mechanism
 from ._weight_sync_actor import PAGE_FLOATS, Shape, actor_class
 
@@ -144,7 +144,13 @@ def marker(step: int) -> float:
 def iterations(config: Any) -> Tuple[int, int]:
     """(warmup, timed steps): few, since a full-size step moves about 1 GB per worker."""
     warmup = config.warmup if config.warmup is not None else 1
-    return warmup, config.iters or (3 if config.quick else 5)
+    return warmup, getattr(config, "weight_sync_steps", None) or config.iters or (3 if config.quick else 5)
+
+
+def selected(config: Any) -> Tuple[Case, ...]:
+    """The cases this run measures: CASES, or those named in ``config.weight_sync_cases``."""
+    chosen = getattr(config, "weight_sync_cases", None)
+    return CASES if chosen is None else tuple(c for c in CASES if c.impl in chosen)
 
 
 # ---------------------------------------------------------------------- one world size
@@ -409,14 +415,14 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
             world = World(shape, n, config.group_timeout)
         except Exception as e:  # noqa: BLE001 - every case of this world size gets the error
             rows += [dict(_base_row(shape, c.impl, n, "sync", consume=c.consume, mechanism=c.mechanism or "?"),
-                          error=f"setup: {_error(e)}") for c in CASES]
+                          error=f"setup: {_error(e)}") for c in selected(config)]
             continue
         try:
             if n == 1:
                 rows.append(copy_reference(world, warmup, iters))
                 rows.append(copy_reference(world, warmup, iters, threads=os.cpu_count() or 1))
                 ctx.progress.done((SUITE, "reference"))
-            for case in CASES:
+            for case in selected(config):
                 rows.append(run_case(world, case, warmup, iters, step))
                 step += warmup + iters + 1
                 ctx.progress.done((SUITE, case.impl, n))
@@ -428,21 +434,42 @@ def weight_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     return rows
 
 
+# For the time-left estimate: a step of each case at n workers, in in-process copies of the model (a + b * n),
+# fitted to the 2026-11-27 10:03 run at full scale (2-core reference machine); the driver's calls around a case
+# (rdt.stats, the pools turned off and on for the memory step); a step's per-tensor cost.
+EST_STEP_COPIES: Dict[str, Tuple[float, float]] = {
+    "ray-objstore": (28.5, 1.5), "ray-rdt-gloo": (1.3, 5.1), "ray.collective-broadcast": (2.4, 2.2),
+    "rdt-gloo+copy": (0.7, 2.5), "rdt-shm+copy": (0.8, 1.2), "rdt-nixl+copy": (1.7, 1.1),
+    "rdt-gloo+into": (1.2, 1.8), "rdt-shm+into": (0.3, 0.8), "rdt-nixl+into": (1.1, 0.7),
+    "rdt-shm-shared+into": (0.2, 0.4)}
+EST_CASE_S = 0.5
+EST_TENSOR_S = 0.0002
+
+
 def weight_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     """The progress keys and estimated costs of :func:`weight_sync_suite`: the references, each case at each
     worker count (the first of a worker count also pays for its actors, model and groups) and the tensor counts."""
-    nbytes = model_shape(config.weight_sync_scale).nbytes
+    shape = model_shape(config.weight_sync_scale)
+    copy_s = shape.nbytes / EST_COPY_BYTES_PER_S
+    tensors = len(shape.shapes())
     warmup, iters = iterations(config)
     out: List[Tuple[Any, float]] = []
     for n in config.weight_sync_workers:
-        world = EST_SETUP_S * (2 + n) + 2 * (n + 1) * nbytes / EST_BYTES_PER_S
+        # actors, the model written, three groups formed (their members joining one after another)
+        world = (n + 1) * (EST_ACTOR_S + copy_s + 1.5 * EST_SETUP_S)
         if n == 1:
-            out.append(((SUITE, "reference"), world + estimate_s(2 * (warmup + 1 + iters), nbytes, 1)))
+            out.append(((SUITE, "reference"), world + 2 * (warmup + 1 + iters) * copy_s))
             world = 0.0
-        for i, case in enumerate(CASES):
-            out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0)
-                        + estimate_s(warmup + iters + 1, nbytes, max(1, n // 2))))
+        for i, case in enumerate(selected(config)):
+            a, b = EST_STEP_COPIES.get(case.impl, (1.0, 1.0))
+            step = (a + b * n) * copy_s + tensors * n * EST_TENSOR_S
+            out.append(((SUITE, case.impl, n), (world if i == 0 else 0.0) + EST_CASE_S
+                        + (warmup + iters + 1) * step))
         if n == min(config.weight_sync_workers):
-            out.append(((SUITE, "tensor-count"), estimate_s(18 * len(COUNTS) * len(COUNT_TRANSPORTS), COUNT_BYTES, 2)))
+            # per tensor count: the trainer makes the object, then per transport rdt.stats of every actor before and
+            # after its round trips (4-5 ms with 1 tensor, 7-10 with 1 000)
+            trips = 6 if config.quick else 18
+            out.append(((SUITE, "tensor-count"), sum(
+                EST_CASE_S + len(COUNT_TRANSPORTS) * (0.05 * (n + 1) + trips * (
+                    0.004 + count * 5e-6 + COUNT_BYTES / EST_COPY_BYTES_PER_S)) for count in COUNTS)))
     return out
-

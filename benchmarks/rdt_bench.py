@@ -1,8 +1,11 @@
 """rdt-bench: rdt_transports p2p and allreduce vs ray.util.collective, torch.distributed and Ray's object store,
 rdt's object layer vs Ray's built-in RDT and object store, and a model's weights synced from a trainer to workers.
 
-Usage: ``rdt-bench [--quick] [--suites p2p,allreduce,objects,weight-sync,sharded-sync | --suites xnode] [--sizes 4K,1M] [--world-sizes 2,4]
-[--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json B.json`` (the speed-up of every cell of two runs; no Ray needed).
+Usage: ``rdt-bench [--full | --quick] [--suites p2p,allreduce,objects,weight-sync,sharded-sync | --suites xnode]
+[--sizes 4K,1M] [--world-sizes 2,4] [--weight-sync-scale 1] [--out DIR|FILE]``, or ``rdt-bench --compare A.json
+B.json`` (the speed-up of every cell of two runs; no Ray needed). With no --suites and no --full it runs the default
+run (:data:`DEFAULT`): the questions a newcomer comes with, in about 3 minutes on 2 cores; ``--full`` (or --suites,
+for the suites named) runs the whole matrix (:data:`FULL`).
 Progress goes to stderr (one line per case and size, and where the run stands: a bar on a terminal, plain
 lines otherwise), the table to stdout, and every measurement plus machine
 info to ``benchmarks/results/<timestamp>.json`` next to a PNG plot. Every row names the mechanism that served it
@@ -17,6 +20,7 @@ import datetime as _dt
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -27,21 +31,20 @@ from ._baselines import RayCollectiveImpl, baseline_impls
 from ._compare import CompareError, compare_runs
 from ._cluster import ActorPool, env_mismatch, log, start_ray
 from ._collectives import BenchConfig, BenchContext, Impl, case_plan, fmt_size, rdt_impls, run_case
-from ._objects import object_targets, objects_plan, objects_suite
+from ._objects import IMPLS as OBJECT_IMPLS, object_targets, objects_plan, objects_suite
 from ._p2p import interleaved_p2p, interleaved_plan
-from ._progress import Progress, SuitePlan
+from ._progress import Progress, SuitePlan, estimate_check, fmt_duration, load_pace
 from ._sharded_sync import (CASES as SHARDED_CASES, SOAK_ROW, SUITE as SHARDED_SYNC, sharded_sync_plan,
                             sharded_sync_suite)
 from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
 from ._targets import weight_sync_targets
-from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
+from ._weight_sync import (CASES as WEIGHT_SYNC_CASES, SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan,
+                           weight_sync_suite)
 from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
 from ._xnode import SHARDED_CASES as XNODE_SHARDED_CASES
 from ._report import (check_targets, compare, format_markdown, format_table, format_targets, machine_info, write_json,
                       write_png)
 
-DEFAULT_SIZES = "4K,1M,16M,128M"
-QUICK_SIZES = "4K,64K"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 P2P_WORLD_SIZE = 2
 
@@ -56,7 +59,7 @@ def _p2p_impls(ctx: BenchContext) -> Tuple[List[Impl], List[Impl]]:
     """The p2p implementations: (those interleaved in the same two actors, those run as their own cases)."""
     impls = [i for i in _impls(ctx, "p2p") if "p2p" in i.ops]
     together = [i for i in impls if i.family == "rdt" or isinstance(i, RayCollectiveImpl)]
-    return together, [i for i in impls if i not in together]
+    return together, [i for i in impls if i not in together] if ctx.config.p2p_alone else []
 
 
 def p2p_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
@@ -110,7 +113,96 @@ def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
         return weight_sync_plan(config)
 
     return [SuitePlan(name, tuple(cases(name))) for name in suites]
-DEFAULT_SUITES = "p2p,allreduce,objects,weight-sync,sharded-sync"
+
+
+# ---------------------------------------------------------------------- kinds of run
+@dataclass(frozen=True)
+class Preset:
+    """What a kind of run sets where the command line is silent (an option given always wins), down to the
+    suites' own trims (see :class:`BenchConfig`)."""
+
+    name: str
+    suites: str
+    sizes: str
+    weight_sync_scale: float
+    weight_sync_workers: str
+    world_sizes: str = "2,4"
+    group_timeout: float = 30.0
+    sharded_sync_rows: Optional[Tuple[str, ...]] = None
+    p2p_alone: bool = True
+    object_impls: Optional[Tuple[str, ...]] = None
+    object_rounds: float = 1.0
+    weight_sync_cases: Optional[Tuple[str, ...]] = None
+    weight_sync_steps: Optional[int] = None
+    sharded_sync_calibrate: bool = True
+    about: str = ""  # what it covers, for the log and the report
+
+
+FULL_SUITES = "p2p,allreduce,objects,weight-sync,sharded-sync"
+DEFAULT_SUITES = "p2p,objects,weight-sync,sharded-sync"
+FULL = Preset("full", FULL_SUITES, "4K,1M,16M,128M", 1.0, "1,2,4",
+              about="the whole matrix: every suite, size, world size, row and worker count, the model at full scale")
+QUICK = Preset("quick", FULL_SUITES, "4K,64K", 0.01, "1,2,4", group_timeout=20.0,
+               about="the CI smoke test: tiny sizes, few iterations, the model at scale 0.01")
+DEFAULT = Preset(
+    "default", DEFAULT_SUITES, "4K,128M", 0.25, "1,4",
+    sharded_sync_rows=("hand-written", "ray-rdt", "rdt-sharded-shm"),
+    p2p_alone=False,
+    object_impls=tuple(impl for impl, _ in OBJECT_IMPLS if impl != "rdt-gloo-noinline"),
+    object_rounds=0.3,
+    weight_sync_cases=tuple(c.impl for c in WEIGHT_SYNC_CASES if c.consume != "copy_" or c.impl == "ray-rdt-gloo"),
+    weight_sync_steps=3,
+    sharded_sync_calibrate=False,
+    about="p2p against ray.util.collective at 4 KiB and 128 MiB (rdt's gloo, nixl, ucx interleaved with it); one "
+          "object round trip per transport at 4 KiB and 128 MiB, with peak memory; weight sync of Qwen2.5-0.5B's "
+          "shapes at scale 0.25 (247 MB), whole to 1 and 4 workers (Ray's RDT, the hand-written broadcast, rdt "
+          "into= per transport, with worker memory) and sharded over shm (4 trainer ranks -> 2 engines x TP 2, "
+          "against the hand-written broadcast and Ray's RDT, with trainer memory)")
+FULL_ONLY = ("allreduce; p2p at 1 MiB and 16 MiB and the baselines run as their own cases (torch.distributed, the "
+             "object store); objects rdt-gloo-noinline and more round trips; weight sync at full scale with 2 "
+             "workers, the object store and the copy_ rows; sharded-sync's whole-model rows, nixl, gloo and auto, "
+             "the replicas row, the 200-step verify soak and the range-cost calibration")
+
+
+def pick_preset(args: argparse.Namespace) -> Tuple[Optional[Preset], str]:
+    """The kind of run the command line asks for, or (None, why) when its options contradict each other."""
+    if args.full and args.quick:
+        return None, ("--full and --quick contradict each other: --full runs the whole matrix at full size, --quick "
+                      "a tiny smoke test; give one of them")
+    if args.quick:
+        return QUICK, ""
+    if args.full or args.suites:  # --suites X: suite X in full
+        return FULL, ""
+    return DEFAULT, ""
+
+
+def make_config(args: argparse.Namespace, preset: Preset) -> BenchConfig:
+    """The run's configuration: the command line's options, the preset's settings where it gives none."""
+    return BenchConfig(
+        sizes=[parse_size(s) for s in _csv(args.sizes or preset.sizes)],
+        world_sizes=[int(w) for w in _csv(args.world_sizes or preset.world_sizes)],
+        backends=_csv(args.backends), quick=preset is QUICK, iters=args.iters, warmup=args.warmup,
+        group_timeout=args.group_timeout or preset.group_timeout,
+        weight_sync_scale=args.weight_sync_scale or preset.weight_sync_scale,
+        weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers or preset.weight_sync_workers)],
+        sharded_sync_rows=(_csv(args.sharded_sync_rows) if args.sharded_sync_rows else
+                           list(preset.sharded_sync_rows) if preset.sharded_sync_rows is not None else None),
+        p2p_alone=preset.p2p_alone,
+        object_impls=list(preset.object_impls) if preset.object_impls is not None else None,
+        object_rounds=preset.object_rounds,
+        weight_sync_cases=list(preset.weight_sync_cases) if preset.weight_sync_cases is not None else None,
+        weight_sync_steps=None if args.iters else preset.weight_sync_steps,
+        sharded_sync_calibrate=preset.sharded_sync_calibrate)
+
+
+def full_plan_s(args: argparse.Namespace) -> float:
+    """The estimated seconds of ``rdt-bench --full`` with this command line's other options (its progress plan's
+    costs, before any pace)."""
+    config = make_config(argparse.Namespace(**{**vars(args), "suites": None}), FULL)
+    plan = run_plan(BenchContext(config=config, pool=None), _csv(FULL.suites))  # type: ignore[arg-type]
+    return sum(c for s in plan for _, c in s.cases)
+
+
 XNODE = "xnode"  # not in SUITES: it starts its own cluster across network namespaces (run_xnode)
 XNODE_SCALE = 0.25  # the cross-node weight sync's default model scale: five nodes' object stores on one machine
 XNODE_OBJECT_STORE_MB = 512
@@ -134,9 +226,17 @@ def _csv(text: str) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)}; or {XNODE} alone (cross-node, needs root)")
-    p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
-    p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
+    p.add_argument("--suites", default=None,
+                   help=f"comma list of: {', '.join(SUITES)}, each run in full; or {XNODE} alone (cross-node, needs "
+                   f"root). Default: the default run's {DEFAULT.suites}, trimmed (planned for 3 minutes on a quiet "
+                   "2-core machine)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the whole matrix ({FULL.suites}; about 25 minutes on a 2-core machine) instead of the "
+                   "default run")
+    p.add_argument("--sizes", default=None, help=f"message sizes (default run {DEFAULT.sizes}; --full and --suites "
+                   f"{FULL.sizes}; --quick {QUICK.sizes})")
+    p.add_argument("--world-sizes", default=None, help=f"allreduce world sizes (number of actors; default "
+                   f"{FULL.world_sizes})")
     p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few iterations (CI smoke test)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
@@ -149,12 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-store-mb", type=int, default=None,
                    help=f"local cluster object store size (default 2048, {WEIGHT_SYNC_OBJECT_STORE_MB} with weight-sync)")
     p.add_argument("--weight-sync-scale", type=float, default=None,
-                   help="weight-sync model size: 1 = Qwen2.5-0.5B's shapes (988 MB bf16, the default); smaller "
-                   "shrinks layers and vocabulary (below 1/24 also the widths); --quick: 0.01")
-    p.add_argument("--weight-sync-workers", default="1,2,4", help="weight-sync worker counts")
+                   help="weight-sync model size: 1 = Qwen2.5-0.5B's shapes (988 MB bf16; --full and --suites); "
+                   f"smaller shrinks layers and vocabulary (below 1/24 also the widths); default run "
+                   f"{DEFAULT.weight_sync_scale:g}; --quick {QUICK.weight_sync_scale:g}")
+    p.add_argument("--weight-sync-workers", default=None, help=f"weight-sync worker counts (default run "
+                   f"{DEFAULT.weight_sync_workers}; --full and --suites {FULL.weight_sync_workers})")
     p.add_argument("--sharded-sync-rows", default=None,
-                   help=f"sharded-sync rows to run (default all: {', '.join(c.impl for c in SHARDED_CASES)}, "
-                   f"and {SOAK_ROW}, which runs on the rdt-sharded-shm row's actors); the others are reported as "
+                   help="sharded-sync rows to run (--full and --suites: all, "
+                   f"{', '.join(c.impl for c in SHARDED_CASES)}, and {SOAK_ROW}, which runs on the rdt-sharded-shm "
+                   "row's actors; default run: "
+                   f"{', '.join(DEFAULT.sharded_sync_rows or ())}); the others are reported as "
                    "not selected. With --suites xnode: the cross-node sharded rows to run "
                    f"(default all: {', '.join(c.impl for c in XNODE_SHARDED_CASES)})")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds to wait for a group to form")
@@ -185,7 +289,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the selected suites; returns the exit status."""
     if args.compare:
         return run_compare(*args.compare)
-    suites = _csv(args.suites)
+    preset, why = pick_preset(args)
+    if preset is None:
+        log(f"rdt-bench: {why}")
+        return 2
+    suites = _csv(args.suites or preset.suites)
     if XNODE in suites:
         if suites != [XNODE]:
             log(f"the {XNODE} suite runs its own cluster across network namespaces: run it alone (--suites {XNODE})")
@@ -195,14 +303,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         log(f"unknown suite(s) {unknown}; choose from {list(SUITES)}")
         return 2
-    sizes = [parse_size(s) for s in _csv(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))]
-    world_sizes = [int(w) for w in _csv(args.world_sizes)]
-    config = BenchConfig(sizes=sizes, world_sizes=world_sizes, backends=_csv(args.backends), quick=args.quick,
-                         iters=args.iters, warmup=args.warmup,
-                         group_timeout=args.group_timeout or (20.0 if args.quick else 30.0),
-                         weight_sync_scale=args.weight_sync_scale or (0.01 if args.quick else 1.0),
-                         weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers)],
-                         sharded_sync_rows=_csv(args.sharded_sync_rows) if args.sharded_sync_rows else None)
+    config = make_config(args, preset)
+    sizes, world_sizes = config.sizes, config.world_sizes
+    load0 = os.getloadavg()[0]  # before this run adds its own processes
     try:
         shape = model_shape(config.weight_sync_scale)
     except ValueError as e:
@@ -220,22 +323,33 @@ def run(args: argparse.Namespace) -> int:
     cluster = start_ray(args.address, num_cpus, object_store_mb << 20)
     pool = ActorPool()
     ctx = BenchContext(config=config, pool=pool)
+    run_kind = preset.name if args.suites is None or preset is QUICK else "suites"
     meta: Dict[str, Any] = {"machine": machine_info(), "cluster": cluster, "argv": sys.argv[1:],
-                            "config": {"suites": suites, "sizes": sizes, "world_sizes": world_sizes,
-                                       "backends": config.backends, "quick": config.quick}}
+                            "config": {"run": run_kind, "suites": suites, "sizes": sizes, "world_sizes": world_sizes,
+                                       "backends": config.backends, "quick": config.quick,
+                                       "trims": _trims(config)}}
     if WEIGHT_SYNC in suites or SHARDED_SYNC in suites:
         meta["config"]["weight_sync"] = {"scale": config.weight_sync_scale, "workers": config.weight_sync_workers,
                                          "model": shape.describe(), "model_bytes": shape.nbytes}
     rows: List[Dict[str, Any]] = []
+    if run_kind == DEFAULT.name:
+        log(f"rdt-bench: the default run, {DEFAULT.about}. rdt-bench --full runs the whole matrix.")
     log(f"rdt-bench: suites={suites} sizes={[fmt_size(s) for s in sizes]} world_sizes={world_sizes} "
         f"backends={config.backends} -> {json_path}")
+    progress: Optional[Progress] = None
     try:
         pool.get(P2P_WORLD_SIZE)
         bad = env_mismatch(pool.info)
         meta["actor_env"] = pool.info[0]["env"] if pool.info else {}
         if bad:
             log("warning: workers do not see the benchmark environment: " + "; ".join(bad))
-        with Progress(run_plan(ctx, suites)) as ctx.progress:
+        meta["progress_started_s"] = round(time.monotonic() - started, 1)
+        prior = load_pace(load0, os.cpu_count() or 1)
+        if prior > 1:
+            log(f"rdt-bench: load average {load0:.1f} on {os.cpu_count()} cores before the run: the time-left "
+                f"estimate starts at {prior:.1f}x the plan's reference times")
+        with Progress(run_plan(ctx, suites), prior_pace=prior) as ctx.progress:
+            progress = ctx.progress
             for i, name in enumerate(suites):
                 ctx.progress.start_suite(name)
                 if i:  # every suite starts from fresh actors: what one suite's workers still hold (pools,
@@ -253,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
         weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows)
+    checked = [t for t in meta["targets"] if not _left_out(t)]
     write_json(json_path, meta, rows)
     sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC)]  # those two have tables of their own
     synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
@@ -261,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
                                             + (weight_sync_markdown(synced) + "\n" if synced else "")
                                             + (sharded_sync_markdown(sharded, meta["targets"]) + "\n" if sharded
                                                else ""))
-    png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, meta["targets"])
+    png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, checked)
     ws_png = None if args.no_png or not synced else write_weight_sync_png(
         json_path.with_name(json_path.stem + "-weight-sync.png"), synced)
     if sized:
@@ -274,13 +389,64 @@ def run(args: argparse.Namespace) -> int:
     if ratios:
         print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))
     if meta["targets"]:
-        print("\n== targets ==\n" + format_targets(meta["targets"]))
+        print("\n" + targets_panel(meta["targets"], run_kind))
+    if run_kind == DEFAULT.name:
+        pace = progress.pace() if progress is not None else 1.0
+        print(f"\nThis was the default run: {DEFAULT.about}.\nrdt-bench --full adds {FULL_ONLY}: about "
+              f"{fmt_duration(full_plan_s(args) * pace)} on this machine at this run's pace.")
     load = meta["machine"]["loadavg_at_start"][0]
     if load > (os.cpu_count() or 1):
         print(f"\nwarning: load average was {load:.1f} on {os.cpu_count()} cores at start: timings are noisy")
     print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
           + (f"\nPNG:  {ws_png}" if ws_png else "") + f"\nelapsed: {meta['elapsed_s']} s")
+    if progress is not None:  # how good the time-left estimate was, over the whole run (report included)
+        meta["progress"] = progress.record()
+        meta["progress"]["check"] = estimate_check(meta["progress"], progress.elapsed())
+        meta["elapsed_s"] = round(time.monotonic() - started, 1)
+        write_json(json_path, meta, rows)
+        log("rdt-bench: the time-left estimate / what remained, at " + ", ".join(
+            f"{c['at']:.0%}: {c['ratio']:.2f} ({fmt_duration(c['estimate_s'])} / {fmt_duration(c['remaining_s'])})"
+            for c in meta["progress"]["check"]))
     return 0 if any("error" not in r for r in rows) else 1
+
+
+def _trims(config: BenchConfig) -> Dict[str, Any]:
+    """What this run leaves out of its suites (the default run's trims; empty for a full run)."""
+    out: Dict[str, Any] = {}
+    if not config.p2p_alone:
+        out["p2p_alone"] = False
+    if config.object_impls is not None:
+        out["object_impls"] = config.object_impls
+    if config.object_rounds != 1.0:
+        out["object_rounds"] = config.object_rounds
+    if config.weight_sync_cases is not None:
+        out["weight_sync_cases"] = config.weight_sync_cases
+    if config.weight_sync_steps is not None:
+        out["weight_sync_steps"] = config.weight_sync_steps
+    if config.sharded_sync_rows is not None:
+        out["sharded_sync_rows"] = config.sharded_sync_rows
+    if not config.sharded_sync_calibrate:
+        out["sharded_sync_calibrate"] = False
+    return out
+
+
+def _left_out(t: Mapping[str, Any]) -> bool:
+    """A target whose rows this run did not select (it says so; the full run checks it)."""
+    return t.get("met") is None and "not selected" in str(t.get("status", ""))
+
+
+def targets_panel(targets: List[Dict[str, Any]], run_kind: str) -> str:
+    """The targets this run checked, one a line; the ones whose rows it did not select are counted apart."""
+    checked = [t for t in targets if not _left_out(t)]
+    left = len(targets) - len(checked)
+    met = sum(bool(t.get("met")) for t in checked)
+    head = f"== targets: {met} of {len(checked)} met"
+    if run_kind == DEFAULT.name:
+        head += " (the default run checks these; rdt-bench --full checks every target)"
+    out = [head + " ==", format_targets(checked)]
+    if left:
+        out.append(f"({left} more not checked: their rows were not selected; they are in the JSON)")
+    return "\n".join(out)
 
 
 def run_xnode(args: argparse.Namespace) -> int:
@@ -289,7 +455,7 @@ def run_xnode(args: argparse.Namespace) -> int:
 
     from . import _xnode
 
-    workers = [int(w) for w in _csv(args.weight_sync_workers)]
+    workers = [int(w) for w in _csv(args.weight_sync_workers or FULL.weight_sync_workers)]
     chosen = _csv(args.sharded_sync_rows) if args.sharded_sync_rows else None
     unknown = sorted(set(chosen or ()) - {c.impl for c in XNODE_SHARDED_CASES})
     if unknown:

@@ -87,6 +87,12 @@ def test_rdt_bench_quick(quick_run: Tuple[subprocess.CompletedProcess, Path]) ->
     _check_modes(ok)
     for t in data["targets"]:
         assert t["mechanisms"] and isinstance(t["cross_mechanism"], bool), t
+    assert data["config"]["run"] == "quick" and data["config"]["trims"] == {}
+    record = data["progress"]  # what the progress report estimated, against what each case took
+    assert record["cases"] and sum(c["seconds"] for c in record["cases"]) <= record["elapsed_s"] + 0.1, record
+    assert all(c["estimate_s"] >= 0 and c["seconds"] >= 0 for c in record["cases"]), record["cases"]
+    assert record["events"] and all(0 < c["at"] < 1 and c["ratio"] >= 0 for c in record["check"]), record
+    assert "time-left estimate / what remained" in proc.stderr
     png = files[0].with_suffix(".png")
     assert png.exists() and png.stat().st_size > 1000
     assert "| mechanism |" in files[0].with_suffix(".md").read_text()
@@ -202,6 +208,74 @@ def test_weight_sync_model_shape() -> None:
     assert small.layers == 1 and small.nbytes < full.nbytes // 100
 
 
+def _preset_plan(*argv: str) -> Tuple[Any, Any, Dict[str, float]]:
+    """(preset, config, estimated seconds per suite) of an rdt-bench command line, without running it."""
+    from benchmarks._collectives import BenchContext
+    from benchmarks.rdt_bench import build_parser, make_config, pick_preset, run_plan
+
+    args = build_parser().parse_args(list(argv))
+    preset, why = pick_preset(args)
+    assert preset is not None, why
+    config = make_config(args, preset)
+    suites = (args.suites or preset.suites).split(",")
+    plan = run_plan(BenchContext(config=config, pool=None), suites)  # type: ignore[arg-type]
+    return preset, config, {s.name: sum(c for _, c in s.cases) for s in plan}
+
+
+def test_default_run_is_short_and_full_is_the_matrix() -> None:
+    """No flags: the default run (p2p and objects at a small and a large size, weight sync whole and sharded at
+    scale 0.25), planned within 3 minutes of the 2-core reference machine; --full and --suites X: the whole
+    matrix, or suite X whole; an option given wins over the default run's setting."""
+    from benchmarks.rdt_bench import DEFAULT, DEFAULT_SUITES, FULL, FULL_SUITES
+
+    assert DEFAULT_SUITES == "p2p,objects,weight-sync,sharded-sync"
+    assert FULL_SUITES == "p2p,allreduce,objects,weight-sync,sharded-sync"
+    preset, config, plan = _preset_plan()
+    assert preset is DEFAULT and list(plan) == DEFAULT_SUITES.split(",")
+    assert config.sizes == [4 * KiB, 128 << 20] and config.weight_sync_scale == 0.25
+    assert config.weight_sync_workers == [1, 4] and not config.p2p_alone
+    assert config.sharded_sync_rows == ["hand-written", "ray-rdt", "rdt-sharded-shm"]
+    assert not config.sharded_sync_calibrate  # the transports' declared range costs, as a user gets them
+    assert "ray-rdt-gloo" in config.object_impls and "rdt-gloo-noinline" not in config.object_impls
+    assert {"ray-rdt-gloo", "ray.collective-broadcast", "rdt-shm+into"} <= set(config.weight_sync_cases)
+    assert not {"ray-objstore", "rdt-shm+copy"} & set(config.weight_sync_cases)
+    assert 60 < sum(plan.values()) <= 180, plan  # the costs are fitted to the reference machine
+
+    preset, config, full = _preset_plan("--full")
+    assert preset is FULL and list(full) == FULL_SUITES.split(",")
+    assert config.sizes == [4 * KiB, 1 << 20, 16 << 20, 128 << 20] and config.weight_sync_scale == 1.0
+    assert config.weight_sync_workers == [1, 2, 4] and config.world_sizes == [2, 4] and config.p2p_alone
+    assert config.sharded_sync_rows is config.object_impls is config.weight_sync_cases is None
+    assert config.sharded_sync_calibrate and config.object_rounds == 1.0 and config.weight_sync_steps is None
+    assert sum(full.values()) > 5 * sum(plan.values())
+
+    preset, config, only = _preset_plan("--suites", "weight-sync")  # one suite: in full
+    assert preset is FULL and list(only) == ["weight-sync"] and only["weight-sync"] == full["weight-sync"]
+    _, config, _ = _preset_plan("--weight-sync-scale", "0.5", "--sizes", "4K")  # what is given wins
+    assert config.weight_sync_scale == 0.5 and config.sizes == [4 * KiB] and config.weight_sync_workers == [1, 4]
+
+
+def test_full_with_quick_is_refused() -> None:
+    """--full (the whole matrix at full size) and --quick (a tiny smoke test) together: exit 2, saying why, before
+    any cluster starts."""
+    proc = _bench("--full", "--quick", timeout=60, env=dict(os.environ, RAY_ADDRESS="127.0.0.1:1"))
+    assert proc.returncode == 2 and "--full and --quick contradict each other" in proc.stderr, proc.stderr
+
+
+def test_targets_panel_names_what_the_run_checked() -> None:
+    """The default run's panel lists the targets it checked and counts the ones whose rows it did not select."""
+    from benchmarks.rdt_bench import targets_panel
+
+    checked = {"target": "a", "ratio": 2.0, "ratio_best": 2.0, "required": 1.0, "met": True, "unit": "x"}
+    missed = dict(checked, target="b", ratio=0.5, ratio_best=0.5, met=False)
+    left = dict(checked, target="c", ratio=None, ratio_best=None, met=None,
+                status="not run: not selected (--sharded-sync-rows)")
+    text = targets_panel([checked, missed, left], "default")
+    assert text.splitlines()[0] == ("== targets: 1 of 2 met (the default run checks these; rdt-bench --full checks "
+                                    "every target) ==")
+    assert "MET  a" in text and "MISS b" in text and " c " not in text and "1 more not checked" in text
+
+
 def test_weight_sync_wrong_marker_is_an_error(ray_cluster) -> None:
     """A worker whose parameters do not end up with the trainer's marker fails the step (it is not timed)."""
     import ray
@@ -239,11 +313,12 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     from benchmarks._sharded_sync_model import engine_wants, target_bytes
     from benchmarks._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
     from benchmarks._weight_sync import model_shape
-    from benchmarks.rdt_bench import DEFAULT_SUITES, build_parser, run_plan
+    from benchmarks.rdt_bench import DEFAULT, FULL, build_parser, run_plan
 
     run = ["rdt-sharded-shm", "rdt-sharded-soak"]
     args = build_parser().parse_args(["--sharded-sync-rows", ",".join(run)])
-    assert "sharded-sync" in DEFAULT_SUITES.split(",") and args.sharded_sync_rows == ",".join(run)
+    assert "sharded-sync" in DEFAULT.suites.split(",") and "sharded-sync" in FULL.suites.split(",")
+    assert "rdt-sharded-shm" in (DEFAULT.sharded_sync_rows or ()) and args.sharded_sync_rows == ",".join(run)
     config = BenchConfig(sizes=[], world_sizes=[], backends=[], iters=1, weight_sync_scale=0.004,
                          sharded_sync_rows=run)
     ctx = BenchContext(config=config, pool=None)  # type: ignore[arg-type] - the suite starts its own actors

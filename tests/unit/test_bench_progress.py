@@ -107,3 +107,53 @@ def test_emit_goes_through_the_active_report(capsys) -> None:
     _progress.emit("outside")
     assert out.getvalue() == "inside\n"
     assert capsys.readouterr().err == "outside\n"
+
+
+def test_record_keeps_each_cases_time_and_every_estimate() -> None:
+    """record(): each case with its estimated cost and the seconds since the event before it (a suite's start or
+    the case before), and the costs done and left at every event, from which estimate_at() gives the estimate shown
+    at any moment; estimate_check() compares those with what really remained."""
+    from benchmarks._progress import estimate_at, estimate_check
+
+    clock = Clock()
+    p = Progress(_plan(), stream=io.StringIO(), tty=False, clock=clock)
+    p.start_suite("p2p")
+    clock.t += 12
+    p.done("a")
+    clock.t += 28
+    p.done("b")
+    p.finish_suite()
+    p.start_suite("objects")
+    clock.t += 20
+    shown = p.time_left()  # mid-case: what the bar shows now
+    clock.t += 40
+    p.done("c", "a")  # "a" again: not counted twice
+    rec = p.record()
+    assert [(c["case"], c["estimate_s"], c["seconds"]) for c in rec["cases"]] == [("a", 10.0, 12.0),
+                                                                                 ("b", 30.0, 28.0),
+                                                                                 ("c", 60.0, 60.0)]
+    assert [e[0] for e in rec["events"]] == [0.0, 12.0, 40.0, 40.0, 40.0, 100.0]
+    assert rec["events"][0] == [0.0, 0.0, 100.0] and rec["events"][-1] == [100.0, 100.0, 0.0]
+    assert estimate_at(rec, -1.0) is None and estimate_at(rec, 0.0) == 100.0
+    assert abs(estimate_at(rec, 60.0) - shown) < 1e-9
+    check = estimate_check(rec, 100.0, at=(0.0, 0.6, 1.0))
+    assert [c["at"] for c in check] == [0.0, 0.6]  # nothing remained at the end: no ratio there
+    assert check[0] == {"at": 0.0, "elapsed_s": 0.0, "estimate_s": 100.0, "remaining_s": 100.0, "ratio": 1.0}
+    assert check[1]["remaining_s"] == 40.0 and check[1]["ratio"] == round(shown / 40.0, 2)
+    assert abs(p.pace() - 1.0) < 1e-9  # 100 s for 100 estimated seconds
+
+
+def test_prior_pace_from_the_load_average() -> None:
+    """A busy machine starts from a slower pace (load_pace: 1 up to about a process per core); the cases done
+    outweigh it as the run goes."""
+    from benchmarks._progress import LOAD_PACE, load_pace
+
+    assert load_pace(0.3, 2) == load_pace(2.0, 2) == 1.0
+    assert abs(load_pace(12.0, 2) - 6 * LOAD_PACE) < 1e-9
+    clock = Clock()
+    p = Progress(_plan(), stream=io.StringIO(), tty=False, clock=clock, prior_pace=4.0)
+    assert p.time_left() == 400.0  # nothing done: the plan at the prior pace
+    p.start_suite("p2p")
+    clock.t += 10
+    p.done("a")  # as estimated: the pace moves from 4 towards 1
+    assert abs(p.pace() - (10 + 4 * PRIOR_S) / (10 + PRIOR_S)) < 1e-9
