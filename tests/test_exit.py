@@ -299,6 +299,11 @@ def test_exit_does_not_wait_out_a_fetch_in_flight(tmp_path):
     took = time.monotonic() - start
     assert proc.returncode == 0 and "EXITING" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert took < 45, f"the exit took {took:.0f} s"
+    # Only the producer's progress thread, held on its agent's lock by the test, outlives the exit hook: the
+    # consumer's agent, which nobody closed, was stopped too (before, it went on calling into NIXL while the
+    # interpreter finalized and aborted the process now and then under load).
+    left = [line for line in proc.stderr.splitlines() if "threads still running at exit" in line]
+    assert left and left[-1].endswith(": rdt-nixl-progress"), proc.stderr[-3000:]
 
 
 _STALLED_STREAM_PRODUCER = textwrap.dedent(

@@ -130,6 +130,9 @@ class NixlAgent(TransportState):
         self.blocks = BlockPool(self)  # producer side: registered blocks that packed objects are copied into
         self.landing = LandingPool(self)  # consumer side: registered blocks that fresh READ destinations lie in
         self._stop = threading.Event()
+        # Stopped at exit even when its owner never closes it (a thread inside NIXL at finalization aborts the
+        # process); the stopper holds the event, not the agent.
+        self._stop_at_exit = _lifecycle.at_exit(self._stop.set)
         self._thread = _lifecycle.spawn(self._progress, "rdt-nixl-progress")
 
     def _register_storage(self, key: RegKey, _storage: Any) -> Any:
@@ -144,6 +147,7 @@ class NixlAgent(TransportState):
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the progress thread (before the interpreter finalizes: it calls into NIXL); True if it ended."""
         self._stop.set()
+        _lifecycle.cancel(self._stop_at_exit)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -173,6 +177,8 @@ class NixlAgent(TransportState):
         while not self._stop.wait(period * (50 if failing else 1)):
             try:
                 with self.lock:
+                    if self._stop.is_set():  # stopped while waiting for the lock: no more calls into NIXL
+                        return
                     self.agent.get_new_notifs()
                     if self.parked:
                         self._reap_parked()
