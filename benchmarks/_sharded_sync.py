@@ -481,7 +481,7 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     measured = calibrate(wanted, config.group_timeout, rows_) if wanted else {}
     declared = not getattr(config, "sharded_sync_calibrate", True)
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
-                     mechanism="the transports' declared range costs" if declared else
+                     mechanism="declared range costs" if declared else
                      "exact runs, 2 fresh actors per transport", calibration=measured, declared=declared))
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
