@@ -182,11 +182,8 @@ def objects_plan(config: Any) -> List[Tuple[Any, float]]:
         out += [(("objects", impl, nbytes), EST_CASE_S + (warmup + iters + memory) * (
             EST_TRIP_S + nbytes * EST_COPIES.get(impl, EST_RDT_COPIES) / EST_BYTES_PER_S))
             for impl, _ in selected(config)]
-    if out:  # the first case also pays for the two actors and their two groups, Ray's RDT for its first transfer
-        out[0] = (out[0][0], out[0][1] + 2 * EST_ACTOR_S + 3 * EST_SETUP_S)
-        first = next((i for i, (key, _) in enumerate(out) if key[1] == "ray-rdt-gloo"), None)
-        if first is not None:
-            out[first] = (out[first][0], out[first][1] + EST_SETUP_S / 2)
+    if out:  # the first case also pays for the two actors and their two groups
+        out[0] = (out[0][0], out[0][1] + 2 * EST_ACTOR_S + EST_SETUP_S)
     return out
 
 

@@ -481,7 +481,7 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     measured = calibrate(wanted, config.group_timeout, rows_) if wanted else {}
     declared = not getattr(config, "sharded_sync_calibrate", True)
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
-                     mechanism="the transports' declared range costs" if declared else
+                     mechanism="declared range costs" if declared else
                      "exact runs, 2 fresh actors per transport", calibration=measured, declared=declared))
     for case in CASES:
         if chosen is not None and case.impl not in chosen:
@@ -520,7 +520,10 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     copy_s = shape.nbytes / EST_COPY_BYTES_PER_S
     tensors = len(shape.shapes())
     warmup, iters = iterations(config)
-    setup = (TRAINERS + ENGINES * TP) * EST_ACTOR_S + 3 * copy_s + EST_SETUP_S
+    # 8 fresh actors at 1.25x EST_ACTOR_S each: 8 processes starting at once on 2 cores took 1.1-1.5x what the
+    # other suites' cases did, relative to their estimates, in four loaded default runs (2026-11-29); quiet, at full
+    # scale, a row's setup took 13.5-18 s (2026-11-27 22:49)
+    setup = 1.25 * (TRAINERS + ENGINES * TP) * EST_ACTOR_S + 3 * copy_s + EST_SETUP_S
     chosen = getattr(config, "sharded_sync_rows", None)
     cases = [c for c in CASES if chosen is None or c.impl in chosen]
     calibration = len(calibrated(config)) * EST_CALIBRATION_S

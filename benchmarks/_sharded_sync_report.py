@@ -217,12 +217,15 @@ def _model(rows: List[Mapping[str, Any]]) -> str:
 
 
 def format_sharded_sync(rows: List[Mapping[str, Any]]) -> str:
-    """The stdout table."""
+    """The stdout table; the rows not selected named on one line."""
     by = _rows(rows)
     hand = by.get("hand-written")
     out = [f"\n== {SUITE} ({_model(rows)}) ==",
            f"{'row':<26}{'mechanism':<28}" + "".join(f"{h:>28}" for h in HEAD)]
+    unselected = [impl for impl, r in by.items() if not _ok(r) and "not selected" in str(r["error"])]
     for impl, r in by.items():
+        if impl in unselected:
+            continue
         if _ok(r):
             cells = _columns(r, hand)
             out.append(f"{impl:<26}{str(r['mechanism'])[:27]:<28}" + (cells[0] if r.get("kind") in ("soak",
@@ -230,6 +233,8 @@ def format_sharded_sync(rows: List[Mapping[str, Any]]) -> str:
                                                                      "".join(f"{c:>28}" for c in cells)))
         else:
             out.append(f"{impl:<26}{'-':<28}{str(r['error'])[:120]}")
+    if unselected:
+        out.append(f"not selected (--sharded-sync-rows; --full runs every row): {', '.join(unselected)}")
     return "\n".join(out + ["", *SCHEMES])
 
 

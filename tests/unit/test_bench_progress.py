@@ -72,15 +72,37 @@ def test_a_suite_that_ends_early_counts_its_rest_as_skipped() -> None:
     clock, out = Clock(), io.StringIO()
     p = Progress(_plan(), stream=out, tty=False, clock=clock)
     p.start_suite("p2p")
+    clock.t += 20
     p.done("a")
     p.finish_suite()  # "b" never ran (its case failed)
     assert (p.cases_done, p.skipped) == (2, 1)
     assert LINE.match(_lines(out)[-1]).group(7) == " (1 skipped)"
     p.start_suite("objects")
-    clock.t += 40
-    # the skipped case weighs nothing: the pace is that of "a" alone, (40 + PRIOR_S) / (10 + PRIOR_S)
-    assert abs(p.time_left() - 60.0 * (40 + PRIOR_S) / (10 + PRIOR_S)) < 1e-9
     assert LINE.match(_lines(out)[-1]).groups()[:3] == ("2", "2", "objects")
+    # the skipped case weighs nothing: the pace is that of "a" alone, (20 + PRIOR_S) / (10 + PRIOR_S)
+    expected = 60.0 * (20 + PRIOR_S) / (10 + PRIOR_S)
+    assert abs(p.time_left() - expected) < 1e-9
+
+
+def test_a_running_case_counts_down_then_overruns() -> None:
+    """While "c" runs, the time it has had comes off its share, but it is expected to go on for at least OVERRUN x
+    the time it has had (near or past its expected time)."""
+    from benchmarks._progress import OVERRUN
+
+    clock = Clock()
+    p = Progress(_plan(), stream=io.StringIO(), tty=False, clock=clock)
+    p.start_suite("p2p")
+    clock.t += 80 + PRIOR_S  # "a" and "b" (40 estimated seconds) at pace 2, the prior included
+    p.done("a", "b")
+    p.finish_suite()
+    p.start_suite("objects")
+    assert p.time_left() == 120.0
+    clock.t += 20
+    assert p.time_left() == 100.0
+    clock.t += 180
+    assert p.time_left() == OVERRUN * 200
+    p.done("c")
+    assert p.time_left() == 0.0
 
 
 def test_terminal_bar_redrawn_under_log_lines() -> None:
@@ -133,7 +155,7 @@ def test_record_keeps_each_cases_time_and_every_estimate() -> None:
                                                                                  ("b", 30.0, 28.0),
                                                                                  ("c", 60.0, 60.0)]
     assert [e[0] for e in rec["events"]] == [0.0, 12.0, 40.0, 40.0, 40.0, 100.0]
-    assert rec["events"][0] == [0.0, 0.0, 100.0] and rec["events"][-1] == [100.0, 100.0, 0.0]
+    assert rec["events"][0] == [0.0, 0.0, 100.0, 10.0] and rec["events"][-1] == [100.0, 100.0, 0.0, 0.0]
     assert estimate_at(rec, -1.0) is None and estimate_at(rec, 0.0) == 100.0
     assert abs(estimate_at(rec, 60.0) - shown) < 1e-9
     check = estimate_check(rec, 100.0, at=(0.0, 0.6, 1.0))
