@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -25,6 +26,8 @@ from .landing import LandingPool
 from .targets import TargetRegistrations
 
 logger = logging.getLogger("rdt")
+
+WAKE = b"rdt-read"  # the notification a consumer sends its producer when it posts a READ (NixlAgent.wake_remote)
 
 _available: Optional[bool] = None
 
@@ -103,6 +106,8 @@ class NixlAgent(TransportState):
     MAX_LOADS_PER_REMOTE = 256
     MAX_REMOTES = 64
     MAX_PARKED = 64
+    HOT_S = 2.0  # the progress thread polls every 2 ms this long after a consumer's wake-up, else IDLE_PERIOD
+    IDLE_PERIOD = 0.05
 
     def __init__(self, name: str, busy: Optional[BusyTargets] = None) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -170,16 +175,25 @@ class NixlAgent(TransportState):
                 self.lock.release()
 
     def _progress(self, period: float = 0.002) -> None:
-        """Progress the agent, reap parked READs and give back landing blocks, every ``period`` seconds until
-        stopped. An error does not end it (parked READs would never be reaped, their targets busy for good): it
-        is logged once and the loop goes on, every 100 ms while it lasts."""
+        """Progress the agent, reap parked READs and give back landing blocks until stopped: every ``period``
+        seconds while there is work (a READ parked here, or a consumer's wake-up notification within ``HOT_S``:
+        a producer on a transport that needs target-side progress serves its READs at that pace), every
+        ``IDLE_PERIOD`` otherwise (polling every 2 ms cost an idle actor 6 % of a core here). An error does not
+        end it (parked READs would never be reaped, their targets busy for good): it is logged once and the loop
+        goes on, every 100 ms while it lasts."""
         failing = False
-        while not self._stop.wait(period * (50 if failing else 1)):
+        hot_until = time.monotonic() + self.HOT_S
+        while True:
+            now = time.monotonic()
+            wait = period * 50 if failing else period if self.parked or now < hot_until else self.IDLE_PERIOD
+            if self._stop.wait(wait):
+                return
             try:
                 with self.lock:
                     if self._stop.is_set():  # stopped while waiting for the lock: no more calls into NIXL
                         return
-                    self.agent.get_new_notifs()
+                    if self.agent.get_new_notifs():  # a consumer is reading (see wake_remote)
+                        hot_until = time.monotonic() + self.HOT_S
                     if self.parked:
                         self._reap_parked()
                     self.targets.drain()
@@ -192,6 +206,14 @@ class NixlAgent(TransportState):
                     logger.warning("rdt: the NIXL progress thread of %s failed; it goes on", self.name,
                                    exc_info=True)
                 failing = True
+
+    def wake_remote(self, name: str) -> None:
+        """Tell the producer agent ``name`` that a READ of its memory is posted (call with the lock held, its
+        metadata loaded): its progress thread polls at full pace for ``HOT_S`` (a hint: a failure is ignored)."""
+        try:
+            self.agent.send_notif(name, WAKE)
+        except Exception:  # noqa: BLE001 - a hint: the READ itself reports a dead or unknown producer
+            pass
 
     def _reap_parked(self) -> None:
         """Release parked transfers that are no longer in progress (called with the lock held)."""

@@ -214,7 +214,10 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
                 handles.append(ag.agent.initialize_xfer("READ", local, remote, info.agent))
             for h in handles:
                 states.append(ag.agent.transfer(h))
+            if "PROC" in states:
+                ag.wake_remote(info.agent)  # a producer that must progress for it (TCP) polls at full pace
         deadline = time.monotonic() + timeout
+        woke = time.monotonic()
         delay = 1e-5
         while "PROC" in states:
             if time.monotonic() > deadline or _lifecycle.exiting():  # at exit: give up now, not at the deadline
@@ -226,6 +229,9 @@ def _transfer(ag: NixlAgent, info: NixlInfo, plan: List[Tuple[Any, Any, str, str
             delay = min(delay * 2, 1e-3)
             with ag.lock:
                 states = [ag.agent.check_xfer_state(h) if st == "PROC" else st for h, st in zip(handles, states)]
+                if "PROC" in states and time.monotonic() - woke > ag.HOT_S / 2:  # a long READ keeps it awake
+                    ag.wake_remote(info.agent)
+                    woke = time.monotonic()
         bad = [st for st in states if st != "DONE"]
         if bad:
             raise RuntimeError(f"NIXL READ from {info.agent} failed (state {bad[0]}); the producer may have died")
