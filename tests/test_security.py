@@ -678,10 +678,10 @@ def _ranges(*runs: Tuple[int, int, int, int]) -> bytes:
 
 
 def _crc(lo: int, hi: int) -> int:
-    """CRC-32 of bytes [lo, hi) of the published parameter."""
-    import zlib
+    """CRC-32C (verify's checksum) of bytes [lo, hi) of the published parameter."""
+    import crc32c
 
-    return zlib.crc32(torch.arange(N_FLOATS, dtype=torch.float32).numpy().tobytes()[lo:hi])
+    return crc32c.crc32c(torch.arange(N_FLOATS, dtype=torch.float32).numpy().tobytes()[lo:hi])
 
 
 def _refused(resp: Tuple[int, bytes], *words: str) -> None:

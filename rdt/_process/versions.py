@@ -18,7 +18,6 @@ import hashlib
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -26,6 +25,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .._control import wire as _control
+from .._objects.checksum import ranges_crc
 from ..errors import FenceTimeoutError
 
 MAX_READERS = 4096  # reads in flight, all publications of this process together
@@ -193,7 +193,7 @@ class Versions:
         return _control.RESP_OK, b"\x01" if held else b"\x00"
 
     def handle_sums(self, payload: bytes) -> Tuple[int, bytes]:
-        """REQ_RANGE_SUMS: CRC-32 per group of a range set of a version being read (cached per plan key).
+        """REQ_RANGE_SUMS: CRC-32C per group of a range set of a version being read (cached per plan key).
 
         A request that carries ranges is served and cached only when its key is their digest (:func:`plan_key`)
         and every range lies inside the object's buffers: else a holder of the process key could file other ranges
@@ -315,14 +315,9 @@ def plan_key(data: bytes) -> bytes:
 
 def range_sums(buffers: Sequence[Any], group: np.ndarray, buf: np.ndarray, off: np.ndarray,
                n: np.ndarray) -> bytes:
-    """CRC-32 of each group's ranges, chained in order: count(u32), then (group u32, crc u32) pairs."""
-    views = {}
-    sums: Dict[int, int] = {}
-    for g, b, o, k in zip(group.tolist(), buf.tolist(), off.tolist(), n.tolist()):
-        view = views.get(b)
-        if view is None:
-            view = views[b] = buffers[b].numpy()
-        sums[g] = zlib.crc32(view[o:o + k], sums.get(g, 0))
+    """CRC-32C of each group's ranges, chained in order (``rdt._objects.checksum``): count(u32), then (group u32,
+    crc u32) pairs."""
+    sums = ranges_crc([b.numpy() for b in buffers], group, buf, off, n)
     return struct.pack("!I", len(sums)) + b"".join(struct.pack("!II", g, c) for g, c in sums.items())
 
 
