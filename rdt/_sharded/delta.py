@@ -299,13 +299,30 @@ def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
 
 
 @dataclass
+class Group:
+    """Records of one delta in the staging buffer that share a shape (unit and element size), laid out one
+    parameter after another: where they start, how many there are, and per parameter its leaf and count."""
+
+    at: int
+    count: int
+    unit: int
+    itemsize: int
+    leaves: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def record_size(self) -> int:
+        return INDEX_BYTES + self.unit * self.itemsize
+
+
+@dataclass
 class Spans:
-    """The records of one delta a rank's load reads: runs of the records leaf into the staging buffer, and per
-    parameter (its records' first byte in the staging buffer, count, unit, record size)."""
+    """The records of one delta a rank's load reads: runs of the records leaf into the staging buffer, and the
+    groups they form there."""
 
     delta: Delta
     runs: Runs
-    per_leaf: Dict[int, Tuple[int, int, int, int]]
+    groups: List[Group]
     nbytes: int
 
 
@@ -319,6 +336,46 @@ class DeltaRead:
     staging: torch.Tensor
     leaves: Dict[int, LeafRuns]
     record_bytes: int
+    layers: List["Layer"] = field(default_factory=list)
+
+
+@dataclass
+class Layer:
+    """A rank's runs in elements, keyed (leaf << KEY_SHIFT) + element, disjoint and ascending: where a source
+    element lands. A parameter landing in several targets puts each target's runs in its own layer."""
+
+    start: np.ndarray
+    length: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+
+
+KEY_SHIFT = 40
+
+
+def _layers(runs: Runs, itemsizes: Sequence[int]) -> List[Layer]:
+    if not len(runs.n):
+        return []
+    size = np.asarray(itemsizes, np.int64)[runs.leaf]
+    start = (runs.leaf << KEY_SHIFT) + runs.src // size
+    end = start + runs.n // size
+    dst = runs.dst // size
+    # the k-th distinct target of a leaf goes to layer k (runs are sorted by leaf, then source)
+    pair = runs.leaf * (1 << 32) + runs.target
+    order = np.lexsort((runs.target, runs.leaf))
+    sp = pair[order]
+    firsts = np.concatenate(([True], sp[1:] != sp[:-1]))
+    leaf_sorted = runs.leaf[order]
+    newleaf = np.concatenate(([True], leaf_sorted[1:] != leaf_sorted[:-1]))
+    rank_in_leaf = np.cumsum(firsts) - 1 - np.maximum.accumulate(np.where(newleaf, np.cumsum(firsts) - 1, 0))
+    layer = np.empty(len(order), np.int64)
+    layer[order] = rank_in_leaf
+    out = []
+    for k in range(int(layer.max()) + 1):
+        m = layer == k
+        o = np.argsort(start[m], kind="stable")
+        out.append(Layer(*(np.ascontiguousarray(a[m][o]) for a in (start, end - start, runs.target, dst))))
+    return out
 
 
 def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int]) -> DeltaRead:
@@ -353,25 +410,31 @@ def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int]) -> D
     at = 0
     for j, d in enumerate(chain):
         cols: List[List[np.ndarray]] = [[], [], []]  # src, dst, n
-        per_leaf: Dict[int, Tuple[int, int, int, int]] = {}
-        start = at
+        shapes: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (unit, itemsize) -> [(leaf, records)]
         for p, spans in need.items():
             st, en = spans[j]
-            if not len(st):
-                continue
-            rsz = d.record_size(p, itemsizes[p])
-            n = (en - st) * rsz
-            dst = at + np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
-            cols[0].append(int(d.rec_off[p]) + st * rsz), cols[1].append(dst), cols[2].append(n)
-            total = int(n.sum())
-            per_leaf[p] = (at, total // rsz, int(d.units[p]), rsz)
-            at += total
-        if per_leaf:
+            if len(st):
+                shapes.setdefault((int(d.units[p]), itemsizes[p]), []).append((p, int((en - st).sum())))
+        start = at
+        groups: List[Group] = []
+        for (unit, size), members in shapes.items():
+            rsz = INDEX_BYTES + unit * size
+            first = at
+            for p, _ in members:
+                st, en = need[p][j]
+                n = (en - st) * rsz
+                cols[0].append(int(d.rec_off[p]) + st * rsz)
+                cols[1].append(at + np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64))
+                cols[2].append(n)
+                at += int(n.sum())
+            groups.append(Group(first, (at - first) // rsz, unit, size, np.array([p for p, _ in members], np.int64),
+                                np.array([c for _, c in members], np.int64)))
+        if groups:
             src, dst, n = (np.concatenate(c).astype(np.int64) for c in cols)
             k = len(n)
-            out.append(Spans(d, Runs(np.zeros(k, np.int64), src, np.zeros(k, np.int64), dst, n), per_leaf,
+            out.append(Spans(d, Runs(np.zeros(k, np.int64), src, np.zeros(k, np.int64), dst, n), groups,
                              at - start))
-    return DeltaRead(out, sorted(whole), torch.empty(at, dtype=torch.uint8), leaves, at)
+    return DeltaRead(out, sorted(whole), torch.empty(at, dtype=torch.uint8), leaves, at, _layers(runs, itemsizes))
 
 
 def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -386,44 +449,74 @@ def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     return st[first].astype(np.int64), np.maximum.reduceat(en, first).astype(np.int64)
 
 
+_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
 def apply(read: DeltaRead, spans: Spans, keep: Sequence[torch.Tensor], itemsizes: Sequence[int],
           changes: Optional[Dict[int, List[np.ndarray]]] = None) -> int:
     """Scatter one delta's records (landed in ``read.staging``) into the targets, narrowed to this rank's runs;
-    the elements written. ``changes`` (when given) collects, per target, the element positions written."""
-    staging = read.staging
+    the elements written. ``changes`` (when given) collects, per target, the element positions written. A
+    parameter landing as one run (a column-parallel or vocabulary slice, a whole norm) is placed by an offset; the
+    others' records are placed all at once through the runs' table (numpy, one pass an operation)."""
+    staging = read.staging.numpy()
     written = 0
-    for p, (at, count, unit, rsz) in spans.per_leaf.items():
-        lr = read.leaves[p]
-        dt = int_dtype(itemsizes[p])
-        rec = staging[at:at + count * rsz].view(count, rsz)
-        # copied out of the records (fresh storage: aligned for their dtypes, whatever the record size)
-        idx = rec[:, :INDEX_BYTES].clone().view(torch.int32).reshape(-1).to(torch.int64)
-        vals = rec[:, INDEX_BYTES:].clone().view(dt).reshape(-1)
-        pos = idx if unit == 1 else (idx.unsqueeze(1) * unit + torch.arange(unit)).reshape(-1)
-        # the same source elements may land in several targets (a parameter wanted twice, a cast and a plain
-        # target): each target's runs are disjoint, ascending
-        for t in np.unique(lr.target).tolist():
-            mine = lr.target == t
-            e0, e1, dst0 = (torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (lr.e0, lr.e1, lr.dst))
-            if len(e0) == 1:
-                valid = (pos >= int(e0[0])) & (pos < int(e1[0]))
-                k = torch.zeros(pos.numel(), dtype=torch.int64)
-            else:
-                k = torch.searchsorted(e0, pos, right=True) - 1
-                kc = k.clamp(min=0)
-                valid = (k >= 0) & (pos < e1[kc])
-                k = kc
-            if bool(valid.all()):
-                d, v, kk, pp = None, vals, k, pos
-            else:
-                v, kk, pp = vals[valid], k[valid], pos[valid]
-            if not pp.numel():
+
+    def scatter(t: int, dst: np.ndarray, v: np.ndarray, dt: torch.dtype) -> None:
+        keep[t].reshape(-1).view(dt).scatter_(0, torch.from_numpy(dst), torch.from_numpy(np.ascontiguousarray(v)))
+        if changes is not None:
+            changes.setdefault(t, []).append(dst)
+
+    for g in spans.groups:
+        dt = int_dtype(g.itemsize)
+        record = np.dtype([("i", "<i4"), ("v", _NP_INT[g.itemsize], (g.unit,))])
+        rec = staging[g.at:g.at + g.count * record.itemsize].view(record)
+        ends = np.cumsum(g.counts)
+        rest = []  # (first, last) records of the parameters placed through the table
+        for leaf, a, b in zip(g.leaves.tolist(), (ends - g.counts).tolist(), ends.tolist()):
+            lr = read.leaves[leaf]
+            if g.unit != 1 or len(lr.e0) != 1 or b == a:
+                if b > a:
+                    rest.append((a, b))
                 continue
-            d = dst0[kk] + pp - e0[kk]
-            keep[t].reshape(-1).view(dt).scatter_(0, d, v)
-            if changes is not None:
-                changes.setdefault(t, []).append(d.numpy())
-            written += pp.numel()
+            e0, e1, t, d0 = int(lr.e0[0]), int(lr.e1[0]), int(lr.target[0]), int(lr.dst[0])
+            pos = rec["i"][a:b].astype(np.int64)
+            v = rec["v"][a:b, 0]
+            if pos[0] < e0 or pos[-1] >= e1:  # records ascend: only the ends can fall outside
+                m = (pos >= e0) & (pos < e1)
+                pos, v = pos[m], v[m]
+                if not len(pos):
+                    continue
+            scatter(t, pos + (d0 - e0), v, dt)
+            written += len(pos)
+        if not rest:
+            continue
+        sel = np.concatenate([np.arange(a, b) for a, b in rest]) if len(rest) > 1 or rest[0] != (0, g.count) \
+            else slice(None)
+        sub = rec[sel]
+        base = np.repeat(g.leaves << KEY_SHIFT, g.counts)[sel]
+        if g.unit == 1:
+            key = base + sub["i"]
+        else:
+            key = ((base + sub["i"].astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
+        vals = sub["v"].reshape(-1)
+        for layer in read.layers:
+            k = np.searchsorted(layer.start, key, side="right") - 1
+            off = key - layer.start[k]  # k = -1 reads the last run: refused below
+            valid = (k >= 0) & (off < layer.length[k])
+            if valid.all():
+                kv, offv, v = k, off, vals
+            else:
+                idx = np.flatnonzero(valid)
+                if not len(idx):
+                    continue
+                kv, offv, v = k[idx], off[idx], vals[idx]
+            tgt = layer.target[kv]
+            dst = layer.dst[kv] + offv
+            # keys ascend, so a target's elements come in runs of the same target: one scatter per run
+            cut = np.flatnonzero(tgt[1:] != tgt[:-1]) + 1
+            for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(tgt)])).tolist()):
+                scatter(int(tgt[a]), dst[a:b], v[a:b], dt)
+            written += len(kv)
     return written
 
 

@@ -87,9 +87,9 @@ class WeightLoader:
         self._stream = secrets.token_bytes(16)
         # per source ("trainer", rank) or ("replica", 0): (its lineage, version) the targets hold (delta loads)
         self._lineage: Dict[Tuple[str, int], Tuple[bytes, int]] = {}
-        # after a load made of changes: per want, the element positions it wrote (None: every element), and the
-        # version it held before: what share() offers replicas as changes
-        self._changes: Optional[Tuple[int, Dict[int, Optional[np.ndarray]]]] = None
+        # after a load made of changes: the version it held before and per want the element positions it wrote
+        # (None: every element): what share() offers replicas as changes
+        self._changes: Optional[Tuple[int, Dict[int, Optional[List[np.ndarray]]]]] = None
         self._offered: "OrderedDict[int, _delta.Delta]" = OrderedDict()  # the changes share() offered, newest last
         self._busy = threading.Lock()  # one load, want or share at a time
         self.plans = 0  # plans made (a changed layout or new wants make a new one)
@@ -266,7 +266,8 @@ class WeightLoader:
             raise
         results = jobs.run_all(readers(ctx), reads, deadline)
         _raise_first([r for r in results if isinstance(r, BaseException)])
-        changes: Optional[Dict[int, Optional[np.ndarray]]] = {} if chains and len(chains) == len(ranks) else None
+        changes: Optional[Dict[int, Optional[List[np.ndarray]]]] = {} if chains and len(chains) == len(ranks) \
+            else None
         for (rank, _), out in zip(plan.reads, results):
             if not out.held:
                 raise register.gone(by_rank[rank], "the producer updated it while this load read it (its fence gave "
@@ -289,18 +290,18 @@ class WeightLoader:
                     changes = None
                 else:
                     for t, pos in out.changes.items():
-                        if t in changes and (changes[t] is None or pos is None):
+                        if pos is None or changes.get(t, []) is None:
                             changes[t] = None
                         else:
-                            changes[t] = pos if t not in changes else np.concatenate((changes[t], pos))
+                            changes.setdefault(t, []).append(pos)
         for w in wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
         self._held = manifest.version
         self._lineage = {(kind, s.rank): (s.lineage, s.version) for s in manifest.shards if s.lineage is not None}
         self._changes = None
-        if changes is not None and held_before is not None:
-            self._changes = (held_before, {t: None if p is None else np.unique(p) for t, p in changes.items()})
+        if changes is not None and held_before is not None:  # sorted and made unique if share() asks
+            self._changes = (held_before, changes)
         report.seconds = time.monotonic() - start
         return plan, report
 

@@ -55,7 +55,7 @@ def key(index: int, name: str) -> str:
 
 
 def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who: str,
-          changes: Optional[Tuple[int, Dict[int, Optional[np.ndarray]]]] = None,
+          changes: Optional[Tuple[int, Dict[int, Optional[List[np.ndarray]]]]] = None,
           offered: "Optional[OrderedDict[int, Any]]" = None) -> Replica:
     """Publish ``wants``' targets as they are (no copy) as ``version`` of this loader's stream. ``changes`` (the
     version held before and, per want, the element positions the last load wrote; None: unknown) are offered too,
@@ -73,8 +73,9 @@ def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who
         else:
             base, written = changes
             empty = np.zeros(0, np.int64)
-            enc = _delta.encode_positions([w.target for w in wants], [written.get(i, empty) if i in written else
-                                                                      empty for i in range(len(wants))])
+            positions = [None if written.get(i, ()) is None else np.unique(np.concatenate(written[i]))
+                         if written.get(i) else empty for i in range(len(wants))]
+            enc = _delta.encode_positions([w.target for w in wants], positions)
             offered[version] = publish_changes(enc, base, version, stream, 0, transport, None, OFFERED_CHANGES,
                                                ("replica-delta", stream), f"changes offered by replica {who}")
             while len(offered) > OFFERED_CHANGES:
