@@ -33,6 +33,8 @@ from ._progress import Progress, SuitePlan
 from ._sharded_sync import (CASES as SHARDED_CASES, SOAK_ROW, SUITE as SHARDED_SYNC, sharded_sync_plan,
                             sharded_sync_suite)
 from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
+from ._sharded_delta import SUITE as SHARDED_DELTA, sharded_delta_plan, sharded_delta_suite
+from ._sharded_delta_report import format_sharded_delta, sharded_delta_markdown, sharded_delta_targets
 from ._targets import weight_sync_targets
 from ._weight_sync import SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan, weight_sync_suite
 from ._weight_sync_report import format_weight_sync, weight_sync_markdown, write_weight_sync_png
@@ -89,7 +91,7 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
 
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
                                                "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite,
-                                               SHARDED_SYNC: sharded_sync_suite})
+                                               SHARDED_SYNC: sharded_sync_suite, SHARDED_DELTA: sharded_delta_suite})
 
 
 def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
@@ -107,6 +109,8 @@ def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
             return objects_plan(config)
         if name == SHARDED_SYNC:
             return sharded_sync_plan(config)
+        if name == SHARDED_DELTA:
+            return sharded_delta_plan(config)
         return weight_sync_plan(config)
 
     return [SuitePlan(name, tuple(cases(name))) for name in suites]
@@ -134,7 +138,8 @@ def _csv(text: str) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="rdt-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)}; or {XNODE} alone (cross-node, needs root)")
+    p.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma list of: {', '.join(SUITES)} ({SHARDED_DELTA} is not "
+                   f"in the default run; its model scale defaults to 0.25); or {XNODE} alone (cross-node, needs root)")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
     p.add_argument("--world-sizes", default="2,4", help="allreduce world sizes (number of actors)")
     p.add_argument("--backends", default="gloo,nixl,ucx", help="rdt_transports backends to measure")
@@ -201,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                          iters=args.iters, warmup=args.warmup,
                          group_timeout=args.group_timeout or (20.0 if args.quick else 30.0),
                          weight_sync_scale=args.weight_sync_scale or (0.01 if args.quick else 1.0),
+                         weight_sync_scale_set=bool(args.weight_sync_scale or args.quick),
                          weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers)],
                          sharded_sync_rows=_csv(args.sharded_sync_rows) if args.sharded_sync_rows else None)
     try:
@@ -223,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     meta: Dict[str, Any] = {"machine": machine_info(), "cluster": cluster, "argv": sys.argv[1:],
                             "config": {"suites": suites, "sizes": sizes, "world_sizes": world_sizes,
                                        "backends": config.backends, "quick": config.quick}}
-    if WEIGHT_SYNC in suites or SHARDED_SYNC in suites:
+    if WEIGHT_SYNC in suites or SHARDED_SYNC in suites or SHARDED_DELTA in suites:
         meta["config"]["weight_sync"] = {"scale": config.weight_sync_scale, "workers": config.weight_sync_workers,
                                          "model": shape.describe(), "model_bytes": shape.nbytes}
     rows: List[Dict[str, Any]] = []
@@ -252,14 +258,18 @@ def run(args: argparse.Namespace) -> int:
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
-        weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows)
+        weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows) + \
+        sharded_delta_targets(rows)
     write_json(json_path, meta, rows)
-    sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC)]  # those two have tables of their own
+    sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC, SHARDED_DELTA)]  # own tables
     synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
     sharded = [r for r in rows if r["suite"] == SHARDED_SYNC]
+    delta = [r for r in rows if r["suite"] == SHARDED_DELTA]
     json_path.with_suffix(".md").write_text(format_markdown(meta, sized, sizes) + "\n"
                                             + (weight_sync_markdown(synced) + "\n" if synced else "")
                                             + (sharded_sync_markdown(sharded, meta["targets"]) + "\n" if sharded
+                                               else "")
+                                            + (sharded_delta_markdown(delta, meta["targets"]) + "\n" if delta
                                                else ""))
     png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, meta["targets"])
     ws_png = None if args.no_png or not synced else write_weight_sync_png(
@@ -270,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_weight_sync(synced))
     if sharded:
         print(format_sharded_sync(sharded))
+    if delta:
+        print(format_sharded_delta(delta))
     ratios = compare(rows)
     if ratios:
         print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))
