@@ -22,6 +22,7 @@ caught and repaired only where the load reported the repair.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -246,14 +247,15 @@ def _soak(world: World, shape: ModelShape, steps: int) -> Dict[str, Any]:
 
 def sharded_delta_suite(ctx: Any) -> List[Dict[str, Any]]:
     """Each transport in its own 8 fresh actors: the density rows and the optimizer row; on shm also the
-    checksum, verify's cost and the soak."""
+    checksum, verify's cost and the soak. RDT_BENCH_DELTA_TRANSPORTS=shm,nixl picks transports (default all)."""
     config = ctx.config
     scale = config.weight_sync_scale if getattr(config, "weight_sync_scale_set", False) else DEFAULT_SCALE
     shape = model_shape(scale)
     log(f"{SUITE}: {shape.describe()}; {TRAINERS} trainer ranks -> {ENGINES} engines x TP {TP}; per transport "
         f"{len(ROWS)} rows of 1 warm-up + {STEPS} timed steps, fresh actors per transport")
     rows: List[Dict[str, Any]] = []
-    for transport in TRANSPORTS:
+    chosen = [t for t in os.environ.get("RDT_BENCH_DELTA_TRANSPORTS", ",".join(TRANSPORTS)).split(",") if t]
+    for transport in [t for t in TRANSPORTS if t in chosen]:
         try:
             world = World(shape, transport, config.group_timeout)
         except Exception as e:  # noqa: BLE001 - record and go on
