@@ -45,6 +45,7 @@ class BenchConfig:
     max_iters: int = 50
     group_timeout: float = 30.0
     weight_sync_scale: float = 1.0  # the weight-sync suite's model: 1 = Qwen2.5-0.5B's shapes
+    weight_sync_scale_set: bool = False  # given on the command line (the sharded-delta suite's default is its own)
     weight_sync_workers: List[int] = field(default_factory=lambda: [1, 2, 4])
     sharded_sync_rows: Optional[List[str]] = None  # the sharded-sync rows to run (None: all)
     # What rdt-bench's default run (no --suites, no --full) leaves out of a suite; the defaults here run it whole.

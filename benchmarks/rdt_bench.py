@@ -37,6 +37,8 @@ from ._progress import Progress, SuitePlan, estimate_check, fmt_duration, load_p
 from ._sharded_sync import (CASES as SHARDED_CASES, SOAK_ROW, SUITE as SHARDED_SYNC, sharded_sync_plan,
                             sharded_sync_suite)
 from ._sharded_sync_report import format_sharded_sync, sharded_sync_markdown, sharded_sync_targets
+from ._sharded_delta import SUITE as SHARDED_DELTA, sharded_delta_plan, sharded_delta_suite
+from ._sharded_delta_report import format_sharded_delta, sharded_delta_markdown, sharded_delta_targets
 from ._targets import weight_sync_targets
 from ._weight_sync import (CASES as WEIGHT_SYNC_CASES, SUITE as WEIGHT_SYNC, model_shape, weight_sync_plan,
                            weight_sync_suite)
@@ -92,7 +94,7 @@ def allreduce_suite(ctx: BenchContext) -> List[Dict[str, Any]]:
 
 SUITES: Mapping[str, Suite] = MappingProxyType({"p2p": p2p_suite, "allreduce": allreduce_suite,
                                                "objects": objects_suite, WEIGHT_SYNC: weight_sync_suite,
-                                               SHARDED_SYNC: sharded_sync_suite})
+                                               SHARDED_SYNC: sharded_sync_suite, SHARDED_DELTA: sharded_delta_suite})
 
 
 def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
@@ -110,6 +112,8 @@ def run_plan(ctx: BenchContext, suites: Sequence[str]) -> List[SuitePlan]:
             return objects_plan(config)
         if name == SHARDED_SYNC:
             return sharded_sync_plan(config)
+        if name == SHARDED_DELTA:
+            return sharded_delta_plan(config)
         return weight_sync_plan(config)
 
     return [SuitePlan(name, tuple(cases(name))) for name in suites]
@@ -184,6 +188,7 @@ def make_config(args: argparse.Namespace, preset: Preset) -> BenchConfig:
         backends=_csv(args.backends), quick=preset is QUICK, iters=args.iters, warmup=args.warmup,
         group_timeout=args.group_timeout or preset.group_timeout,
         weight_sync_scale=args.weight_sync_scale or preset.weight_sync_scale,
+        weight_sync_scale_set=bool(args.weight_sync_scale or preset is QUICK),
         weight_sync_workers=[int(w) for w in _csv(args.weight_sync_workers or preset.weight_sync_workers)],
         sharded_sync_rows=(_csv(args.sharded_sync_rows) if args.sharded_sync_rows else
                            list(preset.sharded_sync_rows) if preset.sharded_sync_rows is not None else None),
@@ -328,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
                             "config": {"run": run_kind, "suites": suites, "sizes": sizes, "world_sizes": world_sizes,
                                        "backends": config.backends, "quick": config.quick,
                                        "trims": _trims(config)}}
-    if WEIGHT_SYNC in suites or SHARDED_SYNC in suites:
+    if WEIGHT_SYNC in suites or SHARDED_SYNC in suites or SHARDED_DELTA in suites:
         meta["config"]["weight_sync"] = {"scale": config.weight_sync_scale, "workers": config.weight_sync_workers,
                                          "model": shape.describe(), "model_bytes": shape.nbytes}
     rows: List[Dict[str, Any]] = []
@@ -366,15 +371,19 @@ def run(args: argparse.Namespace) -> int:
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
-        weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows)
+        weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows) + \
+        sharded_delta_targets(rows)
     checked = [t for t in meta["targets"] if not _left_out(t)]
     write_json(json_path, meta, rows)
-    sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC)]  # those two have tables of their own
+    sized = [r for r in rows if r["suite"] not in (WEIGHT_SYNC, SHARDED_SYNC, SHARDED_DELTA)]  # own tables
     synced = [r for r in rows if r["suite"] == WEIGHT_SYNC]
     sharded = [r for r in rows if r["suite"] == SHARDED_SYNC]
+    delta = [r for r in rows if r["suite"] == SHARDED_DELTA]
     json_path.with_suffix(".md").write_text(format_markdown(meta, sized, sizes) + "\n"
                                             + (weight_sync_markdown(synced) + "\n" if synced else "")
                                             + (sharded_sync_markdown(sharded, meta["targets"]) + "\n" if sharded
+                                               else "")
+                                            + (sharded_delta_markdown(delta, meta["targets"]) + "\n" if delta
                                                else ""))
     png = None if args.no_png else write_png(json_path.with_suffix(".png"), sized, checked)
     ws_png = None if args.no_png or not synced else write_weight_sync_png(
@@ -385,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_weight_sync(synced))
     if sharded:
         print(format_sharded_sync(sharded))
+    if delta:
+        print(format_sharded_delta(delta))
     ratios = compare(rows)
     if ratios:
         print("\n== rdt-gloo relative throughput (cross-mechanism pairs marked) ==\n" + "\n".join(ratios))

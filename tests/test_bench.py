@@ -591,3 +591,30 @@ def test_interleaved_p2p_drops_a_failing_library(ray_cluster) -> None:
     assert sorted((r["impl"], r["mode"], r["size"]) for r in ok) == sorted(
         ("rdt-gloo", m, s) for m in ("back-to-back", "barrier") for s in (4 * KiB, 64 * KiB))
     assert all(r["gbps"] > 0 and r["mechanism"] == "gloo" and r["interleaved"] for r in ok)
+
+
+def test_sharded_delta_targets_read_their_rows() -> None:
+    """The sharded-delta suite's targets (benchmarks/_sharded_delta_report.py): each is checked on its row, a row
+    that did not run is reported as not run, never as met."""
+    from benchmarks._sharded_delta_report import sharded_delta_markdown, sharded_delta_targets
+
+    def row(name, t, **kw):
+        base = {"suite": "sharded-delta", "impl": f"delta-{name}-{t}", "transport": t, "mode": name,
+                "bytes_ratio": 0.03, "step_ratio": 0.1, "trainer_delta_ratio": 0.5, "wrong_bytes": 0,
+                "mechanism": "shm-direct", "read_mode": "delta", "changed_fraction": 0.01, "seconds": 0.01,
+                "full_seconds": 0.1, "trainer_delta_s": 0.05, "bytes_compared": 10}
+        base.update(kw)
+        return base
+
+    rows = [row("1%", "shm"), row("5%", "shm", bytes_ratio=0.3), row("20%", "shm", step_ratio=1.2),
+            row("adamw", "shm", error="boom"),
+            {"suite": "sharded-delta", "impl": "checksum-crc32c", "mode": "checksum", "gbps_core": 10.9,
+             "zlib_gbps_core": 2.4, "mechanism": "crc32c"}]
+    got = {t["target"]: t for t in sharded_delta_targets(rows)}
+    assert got["1% (shm): bytes moved per engine rank / its full slices <= 0.05x"]["met"] is True
+    assert got["5% (shm): bytes moved per engine rank / its full slices <= 0.2x"]["met"] is False
+    assert got["20% (shm): delta step / full step <= 1.05x"]["met"] is False
+    assert got["adamw (shm): trainer's delta computation / full step <= 1.0x"]["met"] is None
+    assert got["1% (nixl): delta step / full step <= 0.15x"]["met"] is None  # not run
+    assert got["checksum >= 8.0 GB/s a core"]["met"] is True
+    assert "checksum: CRC-32C 10.94" not in sharded_delta_markdown(rows, list(got.values()))

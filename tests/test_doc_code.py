@@ -38,7 +38,7 @@ def runs() -> Iterator[Dict[str, "Future[subprocess.CompletedProcess]"]]:
 def test_examples_found():
     assert {"quickstart_gloo.py", "pass_to_producer.py", "nested_tensors.py", "driver_get.py", "nixl_no_group.py",
             "collectives.py", "custom_transport.py", "weight_sync_into.py", "weight_sync_sharded.py",
-            "weight_sync_fsdp2.py", "weight_sync_qwen2.py"} <= set(EXAMPLES)
+            "weight_sync_fsdp2.py", "weight_sync_qwen2.py", "weight_sync_delta.py"} <= set(EXAMPLES)
 
 
 @pytest.mark.parametrize("example", EXAMPLES)

@@ -9,7 +9,7 @@ column-parallel shards, a cast to bf16, a vocabulary slice, a replicated norm):
 * a DTensor on a one-GPU mesh (a one-rank NCCL process group);
 * the fence against an in-place update: the engine's copies held back on the device behind a kernel, the trainer's
   fence returns only once they finished, and the landed bytes are the fenced version's;
-* verify=True catching a flipped byte on the device (skipped while device checksums are not available);
+* verify=True checksumming GPU shards and targets on the device, and catching a flipped byte there;
 * the copy descriptors on CUDA tensors landing what they land on the CPU;
 * two GPUs only (never on the one-GPU lent machines): the NCCL ranges protocol, a DTensor on a two-GPU mesh.
 
@@ -255,8 +255,6 @@ def test_verify_catches_a_flipped_byte_on_the_device(ranks):
     ts, es, _, _ = ranks
     manifest = _manifest(ts, "cuda_ipc")
     first = ray.get(es[0].try_load.remote(manifest, True), timeout=120)
-    if first.startswith("InvalidArgumentError") and "verify=True checksums bytes in CPU memory" in first:
-        pytest.skip("device checksums are not available yet (verify=True is refused for GPU bytes)")
     assert first == "ok", first
     ray.get(ts[1].flip_a_byte.remote("gate"), timeout=60)
     err = ray.get(es[0].try_load.remote(manifest, True), timeout=120)

@@ -139,7 +139,8 @@ def fetch_ranges(ctx: Any, meta: ObjectMeta, read: RangeRead, targets: Sequence[
     on_device = (targets[0].device.type != "cpu" if len(targets) else False) or meta.buffers.device_types != {"cpu"}
     transport: Any = None
     try:
-        for transport in candidates(meta, site, ctx):
+        inline = meta.export("inline") is not None  # its bytes travel in the metadata: copied out of it
+        for transport in [] if inline else candidates(meta, site, ctx):
             way = read._exact if on_device else read.way(ctx, transport, len(targets))
             rp = way.plan
             if rp is None:
@@ -179,6 +180,12 @@ def fetch_ranges(ctx: Any, meta: ObjectMeta, read: RangeRead, targets: Sequence[
     except Exception as e:  # a transport's own failure (or timeout): typed here as for a whole fetch
         raise relabel(ctx, meta, transport.name if transport is not None else "a whole fetch", site, e,
                       max(deadline - time.monotonic(), 0.0), "reading ranges of") from e
+
+
+def sources(read: RangeRead, meta: ObjectMeta) -> Tuple[np.ndarray, np.ndarray]:
+    """Where ``read``'s exact runs lie in ``meta``'s buffers (buffer, byte offset): what a checksum of the runs
+    names, for a caller that landed them otherwise (a sharded delta load)."""
+    return read._exact.sources(meta, read.runs.leaf, read.runs.src)
 
 
 def _whole(ctx: Any, meta: ObjectMeta, dst: np.ndarray, buf: np.ndarray, off: np.ndarray, n: np.ndarray,
@@ -225,4 +232,4 @@ def readers(ctx: Any) -> ThreadPoolExecutor:
     return ctx.transport_state("range-readers", _Readers).pool
 
 
-__all__ = ["Landed", "RangeRead", "Runs", "fetch_ranges", "readers"]
+__all__ = ["Landed", "RangeRead", "Runs", "fetch_ranges", "readers", "sources"]

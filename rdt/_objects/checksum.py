@@ -18,7 +18,7 @@ reference.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import crc32c as _crc32c
 import numpy as np
@@ -45,14 +45,7 @@ def ranges_crc(views: Sequence[np.ndarray], group: np.ndarray, buf: np.ndarray, 
     Consecutive ranges of a group that are contiguous are read as one; a run of equal short ranges at one stride
     (a row-parallel slice: one range per row) is gathered in blocks and read at once, not one call per range."""
     out: Dict[int, int] = {}
-    if not len(n):
-        return out
-    group, buf, off, n = (np.asarray(a).astype(np.int64) for a in (group, buf, off, n))
-    # merge: same group and buffer, each starting where the previous one ended
-    joins = (group[1:] == group[:-1]) & (buf[1:] == buf[:-1]) & (off[1:] == off[:-1] + n[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    group, buf, off, n = group[starts], buf[starts], off[starts], np.add.reduceat(n, starts)
-    for g, b, o, k, stride, count in _segments(group, buf, off, n):
+    for g, b, o, k, stride, count in _segments(*_merged(group, buf, off, n)):
         view = views[b]
         value = out.get(g, 0)
         if count == 1 or k >= GATHER_BYTES // 8:
@@ -64,11 +57,35 @@ def ranges_crc(views: Sequence[np.ndarray], group: np.ndarray, buf: np.ndarray, 
     return out
 
 
+def tensor_ranges_crc(buffers: Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]], group: np.ndarray,
+                      buf: np.ndarray, off: np.ndarray, n: np.ndarray) -> Dict[int, int]:
+    """:func:`ranges_crc` over 1-D uint8 tensors: CPU memory through the library, a GPU's where it is
+    (:func:`torch_ranges_crc`: no copy to the host). The values are the same either way."""
+    values = buffers.values() if isinstance(buffers, Mapping) else buffers
+    if all(t.device.type == "cpu" for t in values):
+        views = ({k: t.numpy() for k, t in buffers.items()} if isinstance(buffers, Mapping)
+                 else [t.numpy() for t in buffers])
+        return ranges_crc(views, group, buf, off, n)
+    return torch_ranges_crc(buffers, group, buf, off, n)
+
+
+def _merged(group: Any, buf: Any, off: Any, n: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ranges with consecutive ones of a group and buffer that continue each other joined into one."""
+    group, buf, off, n = (np.asarray(a).astype(np.int64) for a in (group, buf, off, n))
+    if not len(n):
+        return group, buf, off, n
+    joins = (group[1:] == group[:-1]) & (buf[1:] == buf[:-1]) & (off[1:] == off[:-1] + n[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return group[starts], buf[starts], off[starts], np.add.reduceat(n, starts)
+
+
 def _segments(group: np.ndarray, buf: np.ndarray, off: np.ndarray,
               n: np.ndarray) -> List[Tuple[int, int, int, int, int, int]]:
     """(group, buffer, first offset, length, stride, count) of sequences of ranges with one group, buffer and
     length at one stride (a single range: count 1), in order."""
     m = len(n)
+    if m == 0:
+        return []
     if m == 1:
         return [(int(group[0]), int(buf[0]), int(off[0]), int(n[0]), 0, 1)]
     step = np.diff(off)
@@ -220,10 +237,22 @@ def torch_crc32c(data: torch.Tensor, value: int = 0) -> int:
     return value
 
 
-def torch_ranges_crc(buffers: Sequence[torch.Tensor], group: Sequence[int], buf: Sequence[int],
-                     off: Sequence[int], n: Sequence[int]) -> Dict[int, int]:
-    """:func:`ranges_crc` with :func:`torch_crc32c` (buffers: 1-D uint8 tensors on any device)."""
+def torch_ranges_crc(buffers: Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]], group: Sequence[int],
+                     buf: Sequence[int], off: Sequence[int], n: Sequence[int]) -> Dict[int, int]:
+    """:func:`ranges_crc` with :func:`torch_crc32c` on the buffers' own device (1-D uint8 tensors): contiguous
+    ranges joined, a run of equal ranges at one stride (a row-parallel slice) gathered on the device up to PIECE
+    bytes at a time and read at once, not one computation per range."""
     out: Dict[int, int] = {}
-    for g, b, o, k in zip(group, buf, off, n):
-        out[int(g)] = torch_crc32c(buffers[int(b)][int(o):int(o) + int(k)], out.get(int(g), 0))
+    for g, b, o, k, stride, count in _segments(*_merged(group, buf, off, n)):
+        t = buffers[b]
+        value = out.get(g, 0)
+        if count == 1:
+            value = torch_crc32c(t[o:o + k], value)
+        else:
+            rows = max(PIECE // k, 1)
+            for first in range(0, count, rows):
+                r = min(rows, count - first)
+                block = t.as_strided((r, k), (stride, 1), t.storage_offset() + o + first * stride)
+                value = torch_crc32c(block.contiguous(), value)
+        out[g] = value
     return out

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .._control import wire as _control
-from .._objects.checksum import ranges_crc
+from .._objects.checksum import tensor_ranges_crc
 from ..errors import FenceTimeoutError
 
 MAX_READERS = 4096  # reads in flight, all publications of this process together
@@ -76,6 +76,7 @@ class Versions:
         self._plans: "OrderedDict[bytes, bytes]" = OrderedDict()
         self._plan_bytes = 0
         self._readers = 0
+        self._bases: Dict[Hashable, int] = {}  # delta streams' base copies (rdt._sharded.delta): bytes per stream
 
     # ---------------------------------------------------------------- the producer's side
     def publish(self, obj_id: bytes, stream: Hashable, rank: int, version: int, kept_bytes: int, keep: int) -> None:
@@ -143,12 +144,28 @@ class Versions:
             for key in [k for k in self._sums if k[0] == obj_id]:
                 del self._sums[key]
 
-    def stats(self) -> Dict[str, int]:
-        """Counters for rdt.stats(): publications not yet gone, reads in flight, bytes of kept copies."""
+    def set_base(self, stream: Hashable, nbytes: int) -> None:
+        """The bytes of a delta stream's base copy (0: it has none), for stats."""
         with self._cond:
-            return {"publications": len(self._records), "readers": self._readers,
-                    "kept_versions": sum(1 for r in self._records.values() if r.kept_bytes),
-                    "kept_bytes": sum(r.kept_bytes for r in self._records.values())}
+            if nbytes:
+                self._bases[stream] = nbytes
+                while len(self._bases) > MAX_RECORDS:
+                    self._bases.pop(next(iter(self._bases)))
+            else:
+                self._bases.pop(stream, None)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters for rdt.stats(): publications not yet gone, reads in flight, bytes of kept copies; of delta
+        streams (``put_shards(delta=True)``): the versions whose changes are kept, their bytes, and the base
+        copies' bytes."""
+        with self._cond:
+            delta = [r for r in self._records.values() if _is_delta(r.stream)]
+            full = [r for r in self._records.values() if not _is_delta(r.stream)]
+            return {"publications": len(full), "readers": self._readers,
+                    "kept_versions": sum(1 for r in full if r.kept_bytes),
+                    "kept_bytes": sum(r.kept_bytes for r in full),
+                    "delta_versions": len(delta), "delta_bytes": sum(r.kept_bytes for r in delta),
+                    "delta_base_bytes": sum(self._bases.values())}
 
     # ---------------------------------------------------------------- control requests
     def handle_begin(self, payload: bytes) -> Tuple[int, bytes]:
@@ -273,6 +290,11 @@ class Versions:
             self._free(obj_id)
 
 
+def _is_delta(stream: Hashable) -> bool:
+    """Whether a stream holds the changes of a delta stream (rdt._sharded: ("delta", ...) or ("replica-delta", ...))."""
+    return isinstance(stream, tuple) and bool(stream) and stream[0] in ("delta", "replica-delta")
+
+
 # -------------------------------------------------------------------- range sets and their checksums
 def encode_ranges(group: np.ndarray, buf: np.ndarray, off: np.ndarray, n: np.ndarray) -> bytes:
     """A range set on the wire: per range its group (checksummed together), buffer, offset and length."""
@@ -317,7 +339,7 @@ def range_sums(buffers: Sequence[Any], group: np.ndarray, buf: np.ndarray, off: 
                n: np.ndarray) -> bytes:
     """CRC-32C of each group's ranges, chained in order (``rdt._objects.checksum``): count(u32), then (group u32,
     crc u32) pairs."""
-    sums = ranges_crc([b.numpy() for b in buffers], group, buf, off, n)
+    sums = tensor_ranges_crc(list(buffers), group, buf, off, n)  # a GPU's bytes checksummed where they are
     return struct.pack("!I", len(sums)) + b"".join(struct.pack("!II", g, c) for g, c in sums.items())
 
 

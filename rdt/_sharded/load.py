@@ -11,18 +11,20 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from .._consumer import jobs
-from .._consumer.ranges import Landed, RangeRead, fetch_ranges, readers
+from .._consumer.ranges import readers
 from .._consumer.versions import who
 from .._objects import device_order
 from .._process.context import get_context
-from ..errors import FenceTimeoutError, GroupDestroyedError, InvalidArgumentError, TransferTimeoutError
-from . import register, replica as _replica, verify as _verify
+from ..errors import FenceTimeoutError, InvalidArgumentError, TransferTimeoutError
+from . import delta as _delta, rank_reads as _reads, register, replica as _replica
 from .devices import check_target
 from .layout import Region
 from .plan import Plan, Want, make
@@ -49,13 +51,24 @@ class LoadReport:
     verify_seconds: float = 0.0
     covered: Dict[int, int] = field(default_factory=dict)  # per rank: strided groups read as one covering range
     read_bytes: int = 0  # bytes the reads moved (more than nbytes where covering reads or whole fetches served)
+    delta: Dict[int, int] = field(default_factory=dict)  # per rank loaded as changes: the versions' changes applied
+    changed_elements: int = 0  # elements the changes wrote (delta ranks; see docs/weight-sync.md, "Deltas")
+    delta_elements: int = 0  # elements the delta ranks' wants hold
+    repaired: Dict[int, str] = field(default_factory=dict)  # per rank: why verify reloaded its slices in full
+
+    @property
+    def changed_fraction(self) -> Optional[float]:
+        """The fraction of the delta ranks' wanted elements the changes wrote (None: no rank loaded changes)."""
+        return self.changed_elements / self.delta_elements if self.delta_elements else None
 
     @property
     def mode(self) -> str:
-        """How the bytes were read: "exact runs", "covering reads", "whole fetch", or several joined by " + "."""
-        kinds = {"whole fetch" if p.startswith("whole:") else "covering reads" if self.covered.get(r) else
-                 "exact runs" for r, p in self.paths.items()}
-        return " + ".join(k for k in ("exact runs", "covering reads", "whole fetch") if k in kinds) or "none"
+        """How the bytes were read: "delta" (the changes since the version held), "exact runs", "covering
+        reads", "whole fetch", or several joined by " + "."""
+        kinds = {"delta" if r in self.delta else "whole fetch" if p.startswith("whole:") else "covering reads"
+                 if self.covered.get(r) else "exact runs" for r, p in self.paths.items()}
+        return " + ".join(k for k in ("delta", "exact runs", "covering reads", "whole fetch") if k in kinds) or \
+            "none"
 
 
 class WeightLoader:
@@ -72,6 +85,12 @@ class WeightLoader:
         self._held: Optional[int] = None  # the version every target holds (None: none, or a load failed)
         self._shared: Optional[Replica] = None  # what share() offered: fenced before the next load lands a byte
         self._stream = secrets.token_bytes(16)
+        # per source ("trainer", rank) or ("replica", 0): (its lineage, version) the targets hold (delta loads)
+        self._lineage: Dict[Tuple[str, int], Tuple[bytes, int]] = {}
+        # after a load made of changes: the version it held before and per want the element positions it wrote
+        # (None: every element): what share() offers replicas as changes
+        self._changes: Optional[Tuple[int, Dict[int, Optional[List[np.ndarray]]]]] = None
+        self._offered: "OrderedDict[int, _delta.Delta]" = OrderedDict()  # the changes share() offered, newest last
         self._busy = threading.Lock()  # one load, want or share at a time
         self.plans = 0  # plans made (a changed layout or new wants make a new one)
         self.replays = 0  # loads that reused the plan
@@ -98,6 +117,7 @@ class WeightLoader:
             self._wants.append(Want(label, target, regs, dim % max(target.dim(), 1), bool(cast)))
             self._plan = self._mirror = None
             self._held = None
+            self._lineage, self._changes = {}, None
 
     def load(self, source: Union[Manifest, Replica], *, timeout: float = 60.0, verify: bool = False) -> LoadReport:
         """Pull every want's bytes of a version into the targets: from the trainer ranks of a ``Manifest``, or whole
@@ -117,10 +137,14 @@ class WeightLoader:
                                        hint="rdt.Manifest(ray.get([t.publish.remote(step) for t in trainers]))")
         deadline = time.monotonic() + timeout
         with self._exclusive(timeout, "load()"):
-            if isinstance(source, Replica):
-                return self._load_replica(source, deadline, verify)
-            self._plan, report = self._run(self._wants, self._plan, source, deadline, verify)
-            return report
+            try:
+                if isinstance(source, Replica):
+                    return self._load_replica(source, deadline, verify)
+                self._plan, report = self._run(self._wants, self._plan, source, deadline, verify, "trainer")
+                return report
+            except BaseException:
+                self._lineage, self._changes = {}, None  # a failed load: the next one is full
+                raise
 
     async def load_async(self, source: Union[Manifest, Replica], *, timeout: float = 60.0,
                          verify: bool = False) -> LoadReport:
@@ -145,7 +169,8 @@ class WeightLoader:
                                            "load yet, the last one failed, or a target was wanted since)",
                                            hint="call loader.load(manifest) first")
             if self._shared is None or self._shared.version != self._held:
-                self._shared = _replica.offer(self._wants, self._held, tensor_transport, self._stream, who())
+                self._shared = _replica.offer(self._wants, self._held, tensor_transport, self._stream, who(),
+                                              self._changes, self._offered)
             return self._shared
 
     @contextlib.contextmanager
@@ -167,13 +192,15 @@ class WeightLoader:
             self._mirror = (wants, None, _replica.signature(self._wants))
         wants, plan, sig = self._mirror
         _replica.check(sig, len(wants), source)
-        plan, report = self._run(wants, plan, source.manifest, deadline, verify)
+        plan, report = self._run(wants, plan, source.manifest, deadline, verify, "replica")
         self._mirror = (wants, plan, sig)
         return report
 
     def _run(self, wants: List[Want], plan: Optional[Plan], manifest: Manifest, deadline: float,
-             verify: bool) -> Tuple[Plan, LoadReport]:
-        """Plan (or replay) ``wants`` against ``manifest`` and land its bytes; (the plan, what the load did)."""
+             verify: bool, kind: str) -> Tuple[Plan, LoadReport]:
+        """Plan (or replay) ``wants`` against ``manifest`` and land its bytes; (the plan, what the load did). A rank
+        whose stream the targets hold an older version of (``kind`` names the sources) is loaded as the changes
+        since (a delta load), the others in full."""
         start = time.monotonic()
         ctx = get_context()
         planned = plan is None or plan.key != manifest.layout_key
@@ -189,38 +216,78 @@ class WeightLoader:
         addrs = plan.addresses()
         report = LoadReport(manifest.version, planned, plan.nbytes)
         by_rank = {s.rank: s for s in manifest.shards}
-        if verify:
-            _verify_on_host(plan, [by_rank[r] for r, _ in plan.reads])
         after = device_order.current().mark(plan.device)  # device copies follow the caller's stream from here
-        readers_ = _register(ctx, [by_rank[r] for r, _ in plan.reads], deadline)
+        chains = {} if planned or plan.moved or plan.device.type != "cpu" else _reads.chains(kind, self._lineage, plan, by_rank)
+        held_before = self._held
+        ranks = [r for r, _ in plan.reads]
+        delta_srcs = [(r, _reads.delta_shards(by_rank[r], d)) for r in ranks for d in chains.get(r, ()) if d.meta is not None]
+        tokens = _reads.register_all(ctx, [by_rank[r] for r in ranks] + [d for _, d in delta_srcs], deadline,
+                           optional=range(len(ranks), len(ranks) + len(delta_srcs)))
+        readers_ = list(zip([by_rank[r] for r in ranks], tokens[:len(ranks)]))
+        dreg: Dict[int, List[Tuple[Shards, bytes]]] = {}
+        for (r, d), token in zip(delta_srcs, tokens[len(ranks):]):
+            if token is None:
+                chains.pop(r, None)  # its changes are no longer kept: this rank loads in full
+            dreg.setdefault(r, []).append((d, token))
+        for r, regs in dreg.items():
+            if r not in chains:
+                _reads.end_all(ctx, [(d, t) for d, t in regs if t is not None])
+                dreg[r] = []
         try:
             self._fence_shared(deadline)
+            reads = []
+            for (rank, rr), (_, reader) in zip(plan.reads, readers_):
+                shards = by_rank[rank]
+                if rank in chains:
+                    dread = _delta.read_plan(chains[rank], rr.runs, _reads.itemsizes(shards))
+                    reads.append(jobs.Job(
+                        ctx, functools.partial(_reads.delta_rank, ctx, shards, rr, reader, dreg.get(rank, []),
+                                               chains[rank], dread, plan.keep, addrs, [w.name for w in wants]
+                                               if verify else None, deadline),
+                        [plan.keep[i] for i in rr.runs.used] + rr.stagings() + [dread.staging],
+                        f"a sharded delta load's read of {shards.source} (version {manifest.version})",
+                        instead=functools.partial(_reads.end_all, ctx, [(shards, reader)] + dreg.get(rank, []))))
+                else:
+                    reads.append(jobs.Job(
+                        ctx, functools.partial(_reads.read_rank, ctx, shards, rr, reader, plan.keep, addrs,
+                                               [w.name for w in wants] if verify else None, deadline, after),
+                        [plan.keep[i] for i in rr.runs.used] + rr.stagings(),
+                        f"a sharded load's read of {shards.source} (version {manifest.version})",
+                        instead=functools.partial(register.end_quietly, ctx, shards, reader)))
         except BaseException:
-            _end_all(ctx, readers_)
+            _reads.end_all(ctx, readers_ + [rt for regs in dreg.values() for rt in regs if rt[1] is not None])
             raise
-        names = [w.name for w in wants]
-        reads = [jobs.Job(ctx, functools.partial(_read_rank, ctx, by_rank[rank], rr, reader, plan.keep, addrs,
-                                                 names if verify else None, deadline, after),
-                          [plan.keep[i] for i in rr.runs.used] + rr.stagings(),
-                          f"a sharded load's read of {by_rank[rank].source} (version {manifest.version})",
-                          instead=functools.partial(register.end_quietly, ctx, by_rank[rank], reader))
-                 for (rank, rr), (_, reader) in zip(plan.reads, readers_)]
         results = jobs.run_all(readers(ctx), reads, deadline)
-        _raise_first([r for r in results if isinstance(r, BaseException)])
-        for (rank, _), (landed, checked, seconds, held) in zip(plan.reads, results):
-            if not held:
+        _reads.raise_first([r for r in results if isinstance(r, BaseException)])
+        changes: Optional[Dict[int, Optional[List[np.ndarray]]]] = {} if chains and len(chains) == len(ranks) \
+            else None
+        for (rank, _), out in zip(plan.reads, results):
+            if not out.held:
                 raise register.gone(by_rank[rank], "the producer updated it while this load read it (its fence gave "
                                     "up waiting, or a newer version superseded it); the targets may hold torn bytes")
+            landed = out.landed
             report.paths[rank] = landed.label
             report.read_bytes += landed.moved
-            report.verified_bytes += checked
-            report.verify_seconds += seconds
+            report.verified_bytes += out.checked
+            report.verify_seconds += out.seconds
             if landed.covered:
                 report.covered[rank] = landed.covered
+            if out.delta is not None:
+                report.delta[rank] = out.delta
+                report.changed_elements += out.changed
+                report.delta_elements += out.elements
+            if out.repaired:
+                report.repaired[rank] = out.repaired
+            if changes is not None:
+                changes = _reads.merge_changes(changes, out.changes)
         for w in wants:
             if w.landing is not None:
                 w.target.copy_(w.landing)
         self._held = manifest.version
+        self._lineage = {(kind, s.rank): (s.lineage, s.version) for s in manifest.shards if s.lineage is not None}
+        self._changes = None
+        if changes is not None and held_before is not None:  # sorted and made unique if share() asks
+            self._changes = (held_before, changes)
         report.seconds = time.monotonic() - start
         return plan, report
 
@@ -229,6 +296,7 @@ class WeightLoader:
         and the one share() offered is closed to new readers, its readers in flight waited for at most half the
         time left (one still in flight after that fails at its end, told its bytes may be torn)."""
         self._held = None
+        self._lineage, self._changes = {}, None
         shared, self._shared = self._shared, None
         if shared is None:
             return
@@ -236,84 +304,6 @@ class WeightLoader:
             shared.shards.fence(timeout=max((deadline - time.monotonic()) / 2, 1e-3))
         except FenceTimeoutError as e:
             logger.warning("rdt: %s; loading the next version anyway", e)
-
-
-def _register(ctx: Any, sources: List[Shards], deadline: float) -> List[Tuple[Shards, bytes]]:
-    """Register a read with every rank at once (a version gone or a rank dead fails here, before any byte moves);
-    per rank (its shards, the reader's token). After any failure, or a caller that stops waiting, every
-    registration made, or made later, is ended, so that no fence waits for it."""
-    made: Dict[int, bytes] = {}
-    lock = threading.Lock()
-    gave_up = threading.Event()
-
-    def one(i: int) -> None:
-        token = register.begin(ctx, sources[i], deadline)
-        with lock:
-            if not gave_up.is_set():
-                made[i] = token
-                return
-        register.end_quietly(ctx, sources[i], token)
-
-    try:
-        results = jobs.run_all(readers(ctx), [jobs.Job(ctx, functools.partial(one, i), (), "a registration")
-                                              for i in range(len(sources))], deadline)
-        _raise_first([r for r in results if isinstance(r, BaseException)])
-    except BaseException as e:
-        with lock:
-            gave_up.set()
-            begun = [(sources[i], t) for i, t in made.items()]
-        if isinstance(e, Exception):
-            _end_all(ctx, begun)
-        else:  # an interrupt: leave at once, the ends run behind
-            readers(ctx).submit(_end_all, ctx, begun)
-        raise
-    return [(s, made[i]) for i, s in enumerate(sources)]
-
-
-def _end_all(ctx: Any, begun: List[Tuple[Shards, bytes]]) -> None:
-    """End registrations after a failure (bounded: half a second in all)."""
-    by = time.monotonic() + 0.5
-    for shards, token in begun:
-        register.end_quietly(ctx, shards, token, max(by - time.monotonic(), 1e-3))
-
-
-def _read_rank(ctx: Any, shards: Shards, rr: RangeRead, reader: bytes, keep: List[torch.Tensor], addrs: Any,
-               names: Optional[List[str]], deadline: float, after: Any = None) -> Tuple[Landed, int, float, bool]:
-    """(a reading thread) Land one rank's runs, check them when asked, end the registration: (what landed, bytes
-    checked, seconds the check took, whether the version held). A failure ends the registration and names the
-    rank. The registration ends only once the road returned, which for device copies is once they finished on the
-    device (``device_order``): the producer's fence, which waits for it, cannot race a copy still reading."""
-    try:
-        landed = fetch_ranges(ctx, shards.meta, rr, keep, addrs, deadline, after)
-        checked, seconds = 0, 0.0
-        if names is not None and landed.label != "whole:inline":  # inline: the bytes are the manifest's own
-            t0 = time.monotonic()
-            checked = _verify.check(ctx, shards, rr.runs, landed, keep, names, deadline)
-            seconds = time.monotonic() - t0
-    except BaseException as e:
-        register.end_quietly(ctx, shards, reader)
-        named = register.named(shards, e)
-        if named is e:
-            raise
-        raise named from e
-    return landed, checked, seconds, register.end(ctx, shards, reader, max(deadline, time.monotonic() + 1.0))
-
-
-def _verify_on_host(plan: Plan, sources: List[Shards]) -> None:
-    """``verify=True`` checksums CPU bytes for now: refused, before anything moves, for device targets or shards."""
-    where = [f"the targets ({plan.device})"] if plan.device.type != "cpu" else []
-    where += [s.source for s in sources if s.meta is not None and s.meta.buffers.device_types != {"cpu"}][:3]
-    if where:
-        raise InvalidArgumentError(
-            f"verify=True checksums bytes in CPU memory, and {', '.join(where)} hold them on a GPU",
-            hint="load without verify=True (device checksums are not available yet), or compare the targets "
-                 "yourself")
-
-
-def _raise_first(errors: List[BaseException]) -> None:
-    """Raise a rank's own failure first: a group aborted by a sibling's timeout is its consequence."""
-    if errors:
-        raise next((e for e in errors if not isinstance(e, GroupDestroyedError)), errors[0])
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

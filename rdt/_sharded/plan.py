@@ -48,6 +48,7 @@ class Plan:
     forms: List[Tuple[Any, ...]] = field(default_factory=list)
     ptrs: List[int] = field(default_factory=list)
     addrs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    moved: bool = False  # a landing tensor moved to other storage at the last addresses() (it holds no version)
 
     def __post_init__(self) -> None:
         self.forms = [_form(t) for t in self.targets]
@@ -67,6 +68,7 @@ class Plan:
                         hint="want the parameter's current tensor in a new rdt.WeightLoader (its dtype or shape "
                              "changed, e.g. param.data was swapped)")
         ptrs = [t.data_ptr() for t in self.keep]
+        self.moved = bool(self.ptrs) and ptrs != self.ptrs
         if ptrs != self.ptrs:
             self.addrs, self.ptrs = np.array(ptrs, dtype=np.uint64), ptrs
         return self.addrs

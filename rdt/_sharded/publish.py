@@ -20,6 +20,7 @@ from .._objects.meta import ObjectMeta
 from .._process.context import State, get_context
 from .._producer.produce import check_timeout, check_transport, produce
 from ..errors import InvalidArgumentError, ProducerDiedError, TransferTimeoutError
+from . import delta as _delta
 from .devices import shards_device
 from .layout import Box, Layout, box_of, intersect, volume
 
@@ -42,8 +43,13 @@ class Shards:
     weights."""
 
     def __init__(self, rank: int, version: int, params: Tuple[ParamInfo, ...], meta: Any,
-                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None) -> None:
+                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None,
+                 lineage: Optional[bytes] = None, deltas: Tuple[Any, ...] = ()) -> None:
         self.rank = rank
+        # delta=True: the stream's token (a loader that landed a version of it may load the next one as changes)
+        # and the changes of its newest versions, oldest first, the last one leading to this version
+        self.lineage = lineage
+        self.deltas: Tuple[_delta.Delta, ...] = tuple(deltas)
         self.source = source or f"producer rank {rank}"  # how errors name where the bytes come from
         self.version = version
         self.params = params
@@ -72,20 +78,21 @@ class Shards:
     def __reduce__(self) -> Any:
         meta = None if self.meta is None else self.meta.__dict__.copy()
         return (_load_shards, (self.rank, self.version, self.params, meta, self.kept_bytes, self.source,
-                               self.layout_key))
+                               self.layout_key, self.lineage, self.deltas))
 
     def __repr__(self) -> str:
         return f"Shards(rank={self.rank}, version={self.version}, {len(self.params)} params)"
 
 
 def _load_shards(rank: int, version: int, params: Tuple[ParamInfo, ...], meta_state: Optional[dict],
-                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None) -> Shards:
+                 kept_bytes: int = 0, source: str = "", layout_key: Optional[bytes] = None,
+                 lineage: Optional[bytes] = None, deltas: Tuple[Any, ...] = ()) -> Shards:
     """Unpickle without handing the metadata to rdt's consumer (which would fetch the shards whole)."""
     meta = None
     if meta_state is not None:
         meta = ObjectMeta.__new__(ObjectMeta)
         object.__setattr__(meta, "__dict__", meta_state)
-    return Shards(rank, version, params, meta, kept_bytes, source, layout_key)
+    return Shards(rank, version, params, meta, kept_bytes, source, layout_key, lineage, deltas)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,7 +118,8 @@ def _plain_layout(name: str, t: torch.Tensor, layout: Any) -> Tuple[torch.Tensor
 
 def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapping[str, Layout]] = None,
                rank: Optional[int] = None, tensor_transport: str = "auto",
-               timeout: Optional[float] = None, keep_versions: int = 0) -> Shards:
+               timeout: Optional[float] = None, keep_versions: int = 0, delta: bool = False,
+               delta_versions: int = 4) -> Shards:
     """Inside an actor: publish this rank's local shards of ``state`` ({name: DTensor or plain tensor}) as
     ``version``. A DTensor's layout is read from its placements (``Shard(d)``, ``Replicate``, uneven last shards;
     ``Partial`` is refused, ``_StridedShard`` unless this rank's shard is proven to be one box); a plain tensor
@@ -122,7 +130,15 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
     By default the publication reads the live weights: call ``shards.fence()`` before updating them in place
     (publishing another version of the same parameters from this rank without one makes the older version gone).
     ``keep_versions=N`` publishes a copy instead and keeps the copies of this rank's newest N such versions
-    readable while the weights change (N x the shard, ``Shards.kept_bytes``)."""
+    readable while the weights change (N x the shard, ``Shards.kept_bytes``).
+
+    ``delta=True`` also publishes what changed since this rank's last publication of the same parameters (compared
+    bitwise with a copy of the bytes it published then, kept here: 1 x the shard), so that a loader that landed that
+    version reads only the changes in its slices; the changes of the newest ``delta_versions`` versions are kept
+    (a loader further behind applies each in turn). The full shards are published as without it (live, or a copy
+    with ``keep_versions``). The first publication of a stream, or one after a publication without ``delta``, has
+    no changes to offer. A changed layout or dtype since the last publication is refused (publish once without
+    ``delta`` to start again). See docs/weight-sync.md, "Deltas"."""
     transport = check_transport(tensor_transport)
     seconds = check_timeout(timeout)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -130,6 +146,11 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
     if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 0:
         raise InvalidArgumentError(f"keep_versions must be an int >= 0, got {keep_versions!r}",
                                    hint="pass keep_versions=2 to keep copies of the newest two versions")
+    if not isinstance(delta, bool):
+        raise InvalidArgumentError(f"delta must be True or False, got {delta!r}", hint="pass delta=True")
+    if isinstance(delta_versions, bool) or not isinstance(delta_versions, int) or not 1 <= delta_versions <= 64:
+        raise InvalidArgumentError(f"delta_versions must be an int in [1, 64], got {delta_versions!r}",
+                                   hint="pass delta_versions=4 to keep the changes of the newest four versions")
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise InvalidArgumentError("put_shards takes a mapping of parameter names to tensors",
                                    hint="pass model.state_dict() or {name: tensor}")
@@ -151,14 +172,87 @@ def put_shards(state: Mapping[str, Any], *, version: int, layouts: Optional[Mapp
         local = local.detach()
         locals_[name] = local if local.is_contiguous() else local.contiguous()
         params.append(ParamInfo(name, _dtype_name(local.dtype), shape, box_of(start, local.shape)))
-    shards_device(locals_, transport)  # CPU or one CUDA device, moved by the transport
+    device = shards_device(locals_, transport)  # CPU or one CUDA device, moved by the transport
+    if delta and device is not None and device.type != "cpu":
+        raise InvalidArgumentError(f"delta=True publishes CPU shards for now, and these are on {device}",
+                                   hint="publish without delta=True (loads are then full), or publish CPU shards")
     rank = _rank(rank)
     stream = (rank, tuple(p.name for p in params))
+    streams = _streams()
+    previous = streams.get(stream) if delta else None
+    if previous is not None:
+        _check_same_layout(previous, tuple(params), version)  # before a byte moves
     shards = publish_local(locals_, tuple(params), rank=rank, version=version, transport=transport, timeout=seconds,
                            keep_versions=keep_versions, stream=stream)
+    if delta:
+        _publish_delta(streams, stream, previous, shards, [locals_[p.name] for p in params], transport, seconds,
+                       delta_versions)
+    else:
+        streams.drop(stream)  # a publication without delta ends the stream's changes
+        get_context().versions.set_base(stream, 0)
     if shards.meta is not None:
         _newest().put(stream, shards)
     return shards
+
+
+def _check_same_layout(previous: "_delta.Stream", params: Tuple[ParamInfo, ...], version: int) -> None:
+    """delta=True: the parameters keep their dtype, global shape and box, and versions go forward."""
+    for old, new in zip(previous.params, params):
+        if old.dtype != new.dtype:
+            raise InvalidArgumentError(
+                f"delta=True: parameter {new.name!r} is {new.dtype} now, it was {old.dtype} in version "
+                f"{previous.version}; changes between dtypes mean nothing, nothing was published",
+                hint="publish this version without delta=True (a full publication), then deltas again")
+        if old != new:
+            raise InvalidArgumentError(
+                f"delta=True: parameter {new.name!r} changed its layout since version {previous.version} (global "
+                f"shape {old.global_shape} -> {new.global_shape}, this rank's box {list(old.box)} -> "
+                f"{list(new.box)}); nothing was published",
+                hint="publish this version without delta=True (a full publication), then deltas again")
+    if version < previous.version:
+        raise InvalidArgumentError(f"delta=True: version {version} is older than version {previous.version} this "
+                                   "rank published last; nothing was published",
+                                   hint="versions of a delta stream go forward (pass version=step)")
+
+
+def _publish_delta(streams: "_delta.Streams", stream: Any, previous: Optional["_delta.Stream"], shards: Shards,
+                   tensors: List[torch.Tensor], transport: str, timeout: Optional[float], keep: int) -> None:
+    """Encode what changed since the stream's last publication, publish it (kept for ``keep`` versions) and carry
+    the chain in ``shards``; the first publication of a stream keeps its base copy only."""
+    versions = get_context().versions
+    if previous is None:
+        previous = _delta.Stream(_delta.new_lineage(), shards.params, shards.version, [t.clone() for t in tensors])
+        streams.put(stream, previous)
+        versions.set_base(stream, previous.base_bytes)
+        shards.lineage = previous.lineage
+        return
+    if shards.version == previous.version:  # the same version again (e.g. over another transport): its changes
+        shards.lineage, shards.deltas = previous.lineage, tuple(previous.kept.values())
+        return
+    enc = _delta.encode(tensors, previous.base)
+    delta = publish_changes(enc, previous.version, shards.version, previous.lineage, shards.rank, transport,
+                            timeout, keep, ("delta", stream), f"changes of producer rank {shards.rank}")
+    _delta.update_base(previous.base, tensors, enc)
+    previous.version = shards.version
+    previous.kept[shards.version] = delta
+    while len(previous.kept) > keep:
+        previous.kept.popitem(last=False)
+    shards.lineage = previous.lineage
+    shards.deltas = tuple(previous.kept.values())
+
+
+def publish_changes(enc: "_delta.Encoded", base: int, version: int, lineage: bytes, rank: int, transport: str,
+                    timeout: Optional[float], keep: int, stream: Any, source: str) -> "_delta.Delta":
+    """Publish encoded changes (their records: one rdt object, kept for ``keep`` versions of ``stream`` and never
+    copied again) as the :class:`~rdt._sharded.delta.Delta` from ``base`` to ``version``."""
+    meta = None
+    nbytes = 0
+    if enc.records is not None:
+        nbytes = enc.records.numel()
+        meta = _publish({"records": enc.records}, transport, timeout, False)
+        if meta is not None:
+            get_context().versions.publish(meta.obj_id, stream, rank, version, max(meta.nbytes, 1), keep)
+    return _delta.Delta(base, version, lineage, meta, *enc.columns, nbytes=nbytes)
 
 
 def publish_local(tensors: Dict[str, torch.Tensor], params: Tuple[ParamInfo, ...], *, rank: int, version: int,
@@ -265,6 +359,10 @@ def _checked() -> _Checked:
 
 def _newest() -> _Newest:
     return get_context().transport_state("sharded-newest", _Newest)
+
+
+def _streams() -> "_delta.Streams":
+    return get_context().transport_state("sharded-delta", _delta.Streams)
 
 
 def _newest_here(_actor: Any) -> List[Shards]:

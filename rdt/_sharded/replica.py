@@ -6,14 +6,19 @@ loader fences that version before its next load lands a byte, as a trainer fence
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Sequence, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .._producer.produce import check_transport
 from ..errors import InvalidArgumentError
 from .layout import Region, box_of
-from .publish import Manifest, ParamInfo, Shards, _dtype_name, publish_local
+from . import delta as _delta
+from .publish import Manifest, ParamInfo, Shards, _dtype_name, publish_changes, publish_local
+
+OFFERED_CHANGES = 4  # versions of changes a sharer keeps for its replicas
 
 
 class Replica:
@@ -49,14 +54,34 @@ def key(index: int, name: str) -> str:
     return f"{index}:{name}"
 
 
-def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who: str) -> Replica:
-    """Publish ``wants``' targets as they are (no copy) as ``version`` of this loader's stream."""
+def offer(wants: Sequence[Any], version: int, transport: str, stream: bytes, who: str,
+          changes: Optional[Tuple[int, Dict[int, Optional[List[np.ndarray]]]]] = None,
+          offered: "Optional[OrderedDict[int, Any]]" = None) -> Replica:
+    """Publish ``wants``' targets as they are (no copy) as ``version`` of this loader's stream. ``changes`` (the
+    version held before and, per want, the element positions the last load wrote; None: unknown) are offered too,
+    so that a replica holding that version of this stream loads them alone; ``offered`` keeps the newest
+    OFFERED_CHANGES of them (a replica further behind applies each)."""
     transport = check_transport(transport)
     tensors = {key(i, w.name): w.target for i, w in enumerate(wants)}
     params = tuple(ParamInfo(k, _dtype_name(t.dtype), tuple(t.shape), box_of((0,) * t.dim(), t.shape))
                    for k, t in tensors.items())
     shards = publish_local(tensors, params, rank=0, version=version, transport=transport, timeout=None,
                            keep_versions=0, stream=("replica", stream), source=f"replica {who}")
+    if offered is not None:
+        if changes is None or shards.meta is None:
+            offered.clear()
+        else:
+            base, written = changes
+            empty = np.zeros(0, np.int64)
+            positions = [None if written.get(i, ()) is None else np.unique(np.concatenate(written[i]))
+                         if written.get(i) else empty for i in range(len(wants))]
+            enc = _delta.encode_positions([w.target for w in wants], positions)
+            offered[version] = publish_changes(enc, base, version, stream, 0, transport, None, OFFERED_CHANGES,
+                                               ("replica-delta", stream), f"changes offered by replica {who}")
+            while len(offered) > OFFERED_CHANGES:
+                offered.popitem(last=False)
+        shards.lineage = stream
+        shards.deltas = tuple(offered.values())
     return Replica(shards, signature(wants))
 
 

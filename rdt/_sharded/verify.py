@@ -11,7 +11,7 @@ import torch
 
 from .._consumer import versions
 from .._consumer.ranges import Landed, Runs
-from .._objects.checksum import ranges_crc
+from .._objects.checksum import tensor_ranges_crc
 from .._process.versions import encode_ranges
 from ..errors import ChecksumMismatchError
 from .publish import Shards
@@ -24,15 +24,15 @@ def check(ctx: Any, shards: Shards, runs: Runs, landed: Landed, keep: Sequence[t
     """Compare the producer's CRC-32C per parameter (leaf) of this rank's runs with the bytes landed in ``keep``;
     ChecksumMismatchError names the parameter and the rank. The bytes checked."""
     group, buf, off, n, target, dst = runs.leaf, landed.buf, landed.off, runs.n, runs.target, runs.dst
-    views: Dict[int, np.ndarray] = {}
+    views: Dict[int, torch.Tensor] = {}  # CPU bytes or a GPU's, checksummed where they are
     for t in np.unique(target).tolist():
-        views[t] = keep[t].reshape(-1).view(torch.uint8).numpy()
+        views[t] = keep[t].reshape(-1).view(torch.uint8)
     for lo in range(0, len(n), SUM_CHUNK):
         hi = lo + SUM_CHUNK
         theirs = versions.sums(ctx, shards.meta, encode_ranges(group[lo:hi], buf[lo:hi], off[lo:hi], n[lo:hi]),
                                deadline)
         # the same ranges as they landed here: a group's runs contiguous in a target are read as one range
-        ours = ranges_crc(views, group[lo:hi], target[lo:hi], dst[lo:hi], n[lo:hi])
+        ours = tensor_ranges_crc(views, group[lo:hi], target[lo:hi], dst[lo:hi], n[lo:hi])
         for g, crc in ours.items():
             if theirs.get(g) != crc:
                 param = shards.params[g].name

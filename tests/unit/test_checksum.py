@@ -103,6 +103,23 @@ def test_strided_rows_and_contiguous_runs(monkeypatch, length):
     want = reference_ranges([buf.tobytes()], runs)
     assert checksum.ranges_crc([buf], *_cols(runs)) == want
     assert want[1] == reference(buf[10:150].tobytes())
+    # the device form gathers the rows on the device, PIECE bytes at a time (here: several pieces)
+    monkeypatch.setattr(checksum, "PIECE", 3 * length + 5)
+    assert checksum.torch_ranges_crc([torch.from_numpy(buf)], *_cols(runs)) == want
+
+
+def test_bytes_off_the_cpu_are_checksummed_where_they_are(monkeypatch):
+    """verify=True's entry (producer and loader alike): CPU tensors through the library, others (a GPU's
+    memory) through the torch form on their device, never copied to the host first."""
+    runs = [(0, 0, 3, 100), (1, 1, 0, 50)]
+    cpu = {0: torch.arange(200, dtype=torch.int64).to(torch.uint8), 1: torch.full((64,), 7, dtype=torch.uint8)}
+    want = reference_ranges([cpu[0].numpy().tobytes(), cpu[1].numpy().tobytes()], runs)
+    assert checksum.tensor_ranges_crc(cpu, *_cols(runs)) == want
+    assert checksum.tensor_ranges_crc(list(cpu.values()), *_cols(runs)) == want
+    seen = []
+    monkeypatch.setattr(checksum, "torch_ranges_crc", lambda bufs, *cols: seen.append(bufs) or {})
+    off_cpu = [torch.empty(200, dtype=torch.uint8, device="meta"), torch.empty(64, dtype=torch.uint8, device="meta")]
+    assert checksum.tensor_ranges_crc(off_cpu, *_cols(runs)) == {} and seen == [off_cpu]
 
 
 def test_flipped_bytes_swapped_words_and_moved_ranges_are_caught():

@@ -23,7 +23,7 @@ from rdt._objects import device_order
 from rdt._objects.meta import ObjectMeta, ProducerInfo
 from rdt._objects.specs import BufferSpec, TensorSpec
 from rdt._process.versions import Versions
-from rdt._sharded import load, register
+from rdt._sharded import rank_reads, register
 from rdt._sharded.publish import ParamInfo, Shards
 from rdt._control import wire
 from rdt.transports import Ranges, Site
@@ -81,9 +81,9 @@ def _target(ctx, shards, rr, rec, target, versions=None):
     rec.caller_queues(lambda: target.fill_(-1.0))  # e.g. the engine's own write, queued before the load
     with device_order.use(rec), pytest.MonkeyPatch.context() as mp:
         mp.setattr(register, "end", end)
-        landed, _, _, held = load._read_rank(ctx, shards, rr, b"r" * 16, [target], np.array(
+        out = rank_reads.read_rank(ctx, shards, rr, b"r" * 16, [target], np.array(
             [target.data_ptr()], np.uint64), None, time.monotonic() + 30, rec.mark(target.device))
-    assert landed.label == "cuda_ipc" and held
+    assert out.landed.label == "cuda_ipc" and out.held
     return seen["target"]
 
 

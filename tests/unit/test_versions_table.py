@@ -28,7 +28,7 @@ def test_reads_drain_to_zero_and_a_fence_makes_the_version_gone():
         assert _begin(table, obj, 3, bytes([i]) * 16)[0] == wire.RESP_OK
     assert table.stats()["readers"] == 100
     assert all(_end(table, obj, bytes([i]) * 16) for i in range(100))
-    assert table.stats() == {"publications": 1, "readers": 0, "kept_versions": 0, "kept_bytes": 0}
+    assert table.stats() == {"publications": 1, "readers": 0, "kept_versions": 0, "kept_bytes": 0, "delta_versions": 0, "delta_bytes": 0, "delta_base_bytes": 0}
     table.fence(obj, 0, 3, 1.0)
     kind, payload = _begin(table, obj, 3, b"z" * 16)
     assert kind == wire.RESP_ERR and struct.unpack_from("!H", payload)[0] == wire.ERR_VERSION_GONE
@@ -65,6 +65,6 @@ def test_kept_copies_beyond_n_are_freed_once_drained_and_the_reader_cap_holds(mo
     table.publish(ids[2], ("s",), 0, 2, 100, 2)  # version 0 is no longer kept, but is read: not freed yet
     assert freed == [] and table.stats()["kept_bytes"] == 300
     assert _end(table, ids[0], b"r" * 16) and freed == [ids[0]]
-    assert table.stats() == {"publications": 2, "readers": 0, "kept_versions": 2, "kept_bytes": 200}
+    assert table.stats() == {"publications": 2, "readers": 0, "kept_versions": 2, "kept_bytes": 200, "delta_versions": 0, "delta_bytes": 0, "delta_base_bytes": 0}
     monkeypatch.setattr(V, "MAX_READERS", 3)
     assert [_begin(table, ids[1], 1, bytes([i]) * 16)[0] for i in range(4)] == [wire.RESP_OK] * 3 + [wire.RESP_ERR]

@@ -1,0 +1,540 @@
+"""Delta publications and delta loads (``put_shards(..., delta=True)``; docs/weight-sync.md, "Deltas").
+
+The producer's side (:func:`encode`, :class:`Streams`): a rank that publishes with ``delta=True`` keeps a copy of the
+bytes it published last (its *base*) and, with each new version, publishes beside the full shards what changed since
+then, per parameter: nothing (no element changed), its changed elements as records (a 4-byte unit index and the
+unit's new bytes; a unit is one element, or a block of BLOCK_UNIT elements where blocks are smaller), or "whole"
+(its changes would take more than WHOLE_AT of its bytes: a loader reads the parameter's slice from the full
+publication instead). Elements are compared bitwise (+0/-0 and NaN payloads count as changes). The records of a
+version are one rdt object (a uint8 leaf, parameters one after another), kept for the newest ``delta_versions``
+versions of the stream; a small directory per parameter (records before each block of DIR_BLOCK elements) travels
+in the metadata so that a loader reads only the records of the blocks its slices meet.
+
+The consumer's side (:func:`read_plan`, :func:`apply`): a loader holding the base version of a rank's stream reads
+the records its runs meet through the consumer's range road, narrows them to its runs and scatters them into its
+targets (a cast target's kept source-dtype landing).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .._consumer.ranges import Runs
+from .._objects.meta import ObjectMeta
+from .._process.context import State
+
+UNCHANGED, RECORDS, WHOLE = 0, 1, 2
+DIR_BLOCK = 1 << 16  # elements per directory block
+BLOCK_UNIT = 32  # elements per unit of the "changed blocks" encoding
+# A parameter whose changes would take more than this fraction of its bytes is published whole (a loader reads its
+# slice from the full publication): scattering a changed element costs a loader 3-20 ns here where copying one costs
+# 0.35 ns, so past about a third of the bytes (10 % of bf16 elements) records no longer pay, on any link.
+WHOLE_AT = 0.3
+INDEX_BYTES = 4
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+MAX_INDEX = (1 << 31) - 1
+
+
+def int_dtype(itemsize: int) -> Optional[torch.dtype]:
+    """The integer dtype of ``itemsize`` bytes elements are compared and scattered as (None: not supported)."""
+    return _INT.get(itemsize)
+
+
+@dataclass
+class Delta:
+    """What changed in one rank's stream from version ``base`` to ``version`` (carried in its :class:`Shards`):
+    per parameter (in the publication's order) its kind, unit (elements), records (count, byte offset in the
+    records leaf), elements changed and held, and its directory (records before each DIR_BLOCK elements;
+    ``dirs[dir_at[p]:dir_at[p + 1]]``). ``meta``: the records object (None where no parameter has records)."""
+
+    base: int
+    version: int
+    lineage: bytes
+    meta: Optional[ObjectMeta]
+    kinds: np.ndarray
+    units: np.ndarray
+    counts: np.ndarray
+    rec_off: np.ndarray
+    changed: np.ndarray
+    elements: np.ndarray
+    dir_at: np.ndarray
+    dirs: np.ndarray
+    nbytes: int = 0  # bytes of the records
+
+    def record_size(self, p: int, itemsize: int) -> int:
+        return INDEX_BYTES + int(self.units[p]) * itemsize
+
+    def __reduce__(self) -> Any:
+        meta = None if self.meta is None else self.meta.__dict__.copy()
+        return (_load_delta, (self.base, self.version, self.lineage, meta, self.kinds, self.units, self.counts,
+                              self.rec_off, self.changed, self.elements, self.dir_at, self.dirs, self.nbytes))
+
+
+def _load_delta(base: int, version: int, lineage: bytes, meta_state: Optional[dict], *arrays: Any) -> Delta:
+    """Unpickle without handing the metadata to rdt's consumer (which would fetch the records whole)."""
+    meta = None
+    if meta_state is not None:
+        meta = ObjectMeta.__new__(ObjectMeta)
+        object.__setattr__(meta, "__dict__", meta_state)
+    return Delta(base, version, lineage, meta, *arrays)
+
+
+# ------------------------------------------------------------------------------------------- the producer
+@dataclass
+class Encoded:
+    """:func:`encode`'s result: the records (None: none) and the per-parameter columns of a :class:`Delta`."""
+
+    records: Optional[torch.Tensor]
+    columns: Tuple[np.ndarray, ...]
+    changed_positions: List[Optional[np.ndarray]]  # per parameter: element positions changed (None: none/whole)
+
+
+def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Encoded:
+    """Compare each tensor with its base bitwise and encode what changed (see the module docstring). Both are
+    contiguous CPU tensors of equal shape and dtype, in the publication's order."""
+    kinds, units, counts, rec_off, changed, elements, dir_at = ([] for _ in range(7))
+    dirs: List[np.ndarray] = []
+    parts: List[np.ndarray] = []
+    positions: List[Optional[np.ndarray]] = []
+    at = 0
+    d_at = 0
+    for cur, old in zip(current, base):
+        e = cur.numel()
+        s = cur.element_size()
+        dt = int_dtype(s)
+        elements.append(e)
+        dir_at.append(d_at)
+        if dt is None or e > MAX_INDEX or e == 0:
+            kinds.append(WHOLE if e else UNCHANGED), units.append(1), counts.append(0), rec_off.append(at)
+            changed.append(e), positions.append(None)
+            continue
+        a = cur.reshape(-1).view(dt).numpy()
+        b = old.reshape(-1).view(dt).numpy()
+        pos = np.flatnonzero(a != b)
+        c = len(pos)
+        changed.append(c)
+        if c == 0:
+            kinds.append(UNCHANGED), units.append(1), counts.append(0), rec_off.append(at), positions.append(None)
+            continue
+        unit, idx = 1, pos
+        size = c * (INDEX_BYTES + s)
+        if e % BLOCK_UNIT == 0 and c > e // BLOCK_UNIT // 8:  # blocks can only win when some share a block
+            pb = pos // BLOCK_UNIT
+            blocks = pb[np.concatenate(([True], pb[1:] != pb[:-1]))]
+            bsize = len(blocks) * (INDEX_BYTES + BLOCK_UNIT * s)
+            if bsize < size:
+                unit, idx, size = BLOCK_UNIT, blocks, bsize
+        if size > WHOLE_AT * e * s:
+            kinds.append(WHOLE), units.append(1), counts.append(0), rec_off.append(at), positions.append(pos)
+            continue
+        rec, dir_ = _pack(a, idx, unit, s, e)
+        n = len(idx)
+        dirs.append(dir_)
+        d_at += len(dir_)
+        kinds.append(RECORDS), units.append(unit), counts.append(n), rec_off.append(at), positions.append(pos)
+        parts.append(rec.reshape(-1))
+        at += rec.size
+    dir_at.append(d_at)
+    records = torch.from_numpy(np.concatenate(parts)) if parts else None
+    columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
+               np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
+               np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
+    return Encoded(records, columns, positions)
+
+
+def _pack(a: np.ndarray, idx: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Records of units ``idx`` (ascending) of ``a`` (a parameter's elements as integers), and its directory."""
+    n = len(idx)
+    rec = np.empty((n, INDEX_BYTES + unit * s), np.uint8)
+    rec[:, :INDEX_BYTES] = idx.astype("<i4").view(np.uint8).reshape(n, INDEX_BYTES)
+    if unit == 1:
+        rec[:, INDEX_BYTES:] = a[idx].view(np.uint8).reshape(n, s)
+    else:
+        rec[:, INDEX_BYTES:] = a.reshape(-1, unit)[idx].view(np.uint8).reshape(n, unit * s)
+    nblocks = -(-e // DIR_BLOCK)
+    per = np.bincount(idx * unit // DIR_BLOCK, minlength=nblocks)
+    return rec, np.concatenate(([0], np.cumsum(per))).astype(np.int64)
+
+
+def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Optional[np.ndarray]]) -> Encoded:
+    """Records of the elements at ``positions`` (per tensor: ascending element positions; None: every element may
+    have changed, published whole) with their current values: what a loader that landed a delta offers its
+    replicas (it knows what it wrote)."""
+    kinds, units, counts, rec_off, changed, elements, dir_at = ([] for _ in range(7))
+    dirs: List[np.ndarray] = []
+    parts: List[np.ndarray] = []
+    at = d_at = 0
+    for cur, pos in zip(current, positions):
+        e, s = cur.numel(), cur.element_size()
+        dt = int_dtype(s)
+        elements.append(e)
+        dir_at.append(d_at)
+        rec_off.append(at)
+        units.append(1)
+        if pos is None or dt is None or e > MAX_INDEX or len(pos) * (INDEX_BYTES + s) > WHOLE_AT * e * s:
+            kinds.append(WHOLE if e else UNCHANGED), counts.append(0), changed.append(e if pos is None else len(pos))
+            continue
+        if not len(pos):
+            kinds.append(UNCHANGED), counts.append(0), changed.append(0)
+            continue
+        rec, dir_ = _pack(cur.reshape(-1).view(dt).numpy(), pos, 1, s, e)
+        kinds.append(RECORDS), counts.append(len(pos)), changed.append(len(pos))
+        dirs.append(dir_)
+        d_at += len(dir_)
+        parts.append(rec.reshape(-1))
+        at += rec.size
+    dir_at.append(d_at)
+    records = torch.from_numpy(np.concatenate(parts)) if parts else None
+    columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
+               np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
+               np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
+    return Encoded(records, columns, list(positions))
+
+
+def update_base(base: Sequence[torch.Tensor], current: Sequence[torch.Tensor], enc: Encoded) -> None:
+    """Bring the base copy to the bytes just published: the changed elements, or whole tensors."""
+    kinds = enc.columns[0]
+    for b, c, kind, pos in zip(base, current, kinds.tolist(), enc.changed_positions):
+        if kind == UNCHANGED:
+            continue
+        dt = int_dtype(c.element_size())
+        if pos is None or dt is None or len(pos) * 8 > c.numel():
+            b.copy_(c)
+        else:
+            bb, cc = b.reshape(-1).view(dt).numpy(), c.reshape(-1).view(dt).numpy()
+            bb[pos] = cc[pos]
+
+
+@dataclass
+class Stream:
+    """One stream's delta state in the producer: its lineage token, the layout it publishes, its base copy (the
+    bytes it published last, as the version ``version``) and the records of its newest versions (held here so
+    that they stay alive while kept)."""
+
+    lineage: bytes
+    params: Tuple[Any, ...]
+    version: int
+    base: List[torch.Tensor]
+    kept: "OrderedDict[int, Any]" = field(default_factory=OrderedDict)  # version -> the records' Shards
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base)
+
+
+class Streams(State):
+    """This process's delta streams (rank and parameter names: as versions' streams), bounded."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by: "OrderedDict[Hashable, Stream]" = OrderedDict()
+
+    def get(self, key: Hashable) -> Optional[Stream]:
+        with self.lock:
+            return self.by.get(key)
+
+    def put(self, key: Hashable, stream: Stream) -> None:
+        with self.lock:
+            self.by[key] = stream
+            self.by.move_to_end(key)
+            while len(self.by) > self.MAX:
+                self.by.popitem(last=False)
+
+    def drop(self, key: Hashable) -> None:
+        with self.lock:
+            self.by.pop(key, None)
+
+    def stats(self) -> Dict[str, int]:
+        with self.lock:
+            return {"delta_streams": len(self.by), "delta_base_bytes": sum(s.base_bytes for s in self.by.values())}
+
+    def close(self) -> None:
+        with self.lock:
+            self.by.clear()
+
+
+def new_lineage() -> bytes:
+    return secrets.token_bytes(16)
+
+
+# ------------------------------------------------------------------------------------------- the consumer
+@dataclass
+class LeafRuns:
+    """One parameter's runs in a rank's plan, in elements: start and end in its local shard, target, first
+    destination element."""
+
+    e0: np.ndarray
+    e1: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+    rows: slice  # its runs' rows in the rank's Runs arrays
+
+    @property
+    def wanted(self) -> int:
+        return int((self.e1 - self.e0).sum())
+
+
+def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
+    """The rank's runs (sorted by leaf, then source) split per leaf, in elements."""
+    out: Dict[int, LeafRuns] = {}
+    leaf = runs.leaf
+    if not len(leaf):
+        return out
+    cut = np.flatnonzero(np.diff(leaf)) + 1
+    for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(leaf)])).tolist()):
+        p = int(leaf[lo])
+        s = itemsizes[p]
+        out[p] = LeafRuns(runs.src[lo:hi] // s, (runs.src[lo:hi] + runs.n[lo:hi]) // s, runs.target[lo:hi],
+                          runs.dst[lo:hi] // s, slice(lo, hi))
+    return out
+
+
+@dataclass
+class Group:
+    """Records of one delta in the staging buffer that share a shape (unit and element size), laid out one
+    parameter after another: where they start, how many there are, and per parameter its leaf and count."""
+
+    at: int
+    count: int
+    unit: int
+    itemsize: int
+    leaves: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def record_size(self) -> int:
+        return INDEX_BYTES + self.unit * self.itemsize
+
+
+@dataclass
+class Spans:
+    """The records of one delta a rank's load reads: runs of the records leaf into the staging buffer, and the
+    groups they form there."""
+
+    delta: Delta
+    runs: Runs
+    groups: List[Group]
+    nbytes: int
+
+
+@dataclass
+class DeltaRead:
+    """A rank's delta load, planned before any byte moves: the chain's records to read (``spans``, into
+    ``staging``), and the parameters read whole from the full publication instead (``whole``)."""
+
+    spans: List[Spans]
+    whole: List[int]
+    staging: torch.Tensor
+    leaves: Dict[int, LeafRuns]
+    record_bytes: int
+    layers: List["Layer"] = field(default_factory=list)
+
+
+@dataclass
+class Layer:
+    """A rank's runs in elements, keyed (leaf << KEY_SHIFT) + element, disjoint and ascending: where a source
+    element lands. A parameter landing in several targets puts each target's runs in its own layer."""
+
+    start: np.ndarray
+    length: np.ndarray
+    target: np.ndarray
+    dst: np.ndarray
+
+
+KEY_SHIFT = 40
+
+
+def _layers(runs: Runs, itemsizes: Sequence[int]) -> List[Layer]:
+    if not len(runs.n):
+        return []
+    size = np.asarray(itemsizes, np.int64)[runs.leaf]
+    start = (runs.leaf << KEY_SHIFT) + runs.src // size
+    end = start + runs.n // size
+    dst = runs.dst // size
+    # the k-th distinct target of a leaf goes to layer k (runs are sorted by leaf, then source)
+    pair = runs.leaf * (1 << 32) + runs.target
+    order = np.lexsort((runs.target, runs.leaf))
+    sp = pair[order]
+    firsts = np.concatenate(([True], sp[1:] != sp[:-1]))
+    leaf_sorted = runs.leaf[order]
+    newleaf = np.concatenate(([True], leaf_sorted[1:] != leaf_sorted[:-1]))
+    rank_in_leaf = np.cumsum(firsts) - 1 - np.maximum.accumulate(np.where(newleaf, np.cumsum(firsts) - 1, 0))
+    layer = np.empty(len(order), np.int64)
+    layer[order] = rank_in_leaf
+    out = []
+    for k in range(int(layer.max()) + 1):
+        m = layer == k
+        o = np.argsort(start[m], kind="stable")
+        out.append(Layer(*(np.ascontiguousarray(a[m][o]) for a in (start, end - start, runs.target, dst))))
+    return out
+
+
+def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int]) -> DeltaRead:
+    """Which records of each delta of ``chain`` (oldest first) this rank's ``runs`` meet, and which parameters are
+    read whole: one published whole in some delta of the chain, or whose records would take more than WHOLE_AT of
+    its wanted bytes."""
+    leaves = leaf_runs(runs, itemsizes)
+    need: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}  # leaf -> per delta (record starts, ends)
+    whole: List[int] = []
+    for p, lr in leaves.items():
+        s = itemsizes[p]
+        if any(int(d.kinds[p]) == WHOLE for d in chain) or int_dtype(s) is None:
+            whole.append(p)
+            continue
+        spans = []
+        size = 0
+        for d in chain:
+            if int(d.kinds[p]) != RECORDS:
+                spans.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
+                continue
+            dirs = d.dirs[int(d.dir_at[p]):int(d.dir_at[p + 1])]
+            st = dirs[lr.e0 // DIR_BLOCK]
+            en = dirs[(lr.e1 - 1) // DIR_BLOCK + 1]
+            st, en = _merge_spans(st, en)
+            spans.append((st, en))
+            size += int((en - st).sum()) * d.record_size(p, s)
+        if size > WHOLE_AT * lr.wanted * s:
+            whole.append(p)
+        else:
+            need[p] = spans
+    out: List[Spans] = []
+    at = 0
+    for j, d in enumerate(chain):
+        cols: List[List[np.ndarray]] = [[], [], []]  # src, dst, n
+        shapes: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (unit, itemsize) -> [(leaf, records)]
+        for p, spans in need.items():
+            st, en = spans[j]
+            if len(st):
+                shapes.setdefault((int(d.units[p]), itemsizes[p]), []).append((p, int((en - st).sum())))
+        start = at
+        groups: List[Group] = []
+        for (unit, size), members in shapes.items():
+            rsz = INDEX_BYTES + unit * size
+            first = at
+            for p, _ in members:
+                st, en = need[p][j]
+                n = (en - st) * rsz
+                cols[0].append(int(d.rec_off[p]) + st * rsz)
+                cols[1].append(at + np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64))
+                cols[2].append(n)
+                at += int(n.sum())
+            groups.append(Group(first, (at - first) // rsz, unit, size, np.array([p for p, _ in members], np.int64),
+                                np.array([c for _, c in members], np.int64)))
+        if groups:
+            src, dst, n = (np.concatenate(c).astype(np.int64) for c in cols)
+            k = len(n)
+            out.append(Spans(d, Runs(np.zeros(k, np.int64), src, np.zeros(k, np.int64), dst, n), groups,
+                             at - start))
+    return DeltaRead(out, sorted(whole), torch.empty(at, dtype=torch.uint8), leaves, at, _layers(runs, itemsizes))
+
+
+def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Record spans [st, en) (starts ascending) merged where they overlap or touch; empty ones dropped."""
+    keep = en > st
+    st, en = st[keep], en[keep]
+    if len(st) < 2:
+        return st.astype(np.int64), en.astype(np.int64)
+    reach = np.maximum.accumulate(en)
+    new = np.concatenate(([True], st[1:] > reach[:-1]))
+    first = np.flatnonzero(new)
+    return st[first].astype(np.int64), np.maximum.reduceat(en, first).astype(np.int64)
+
+
+_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+def apply(read: DeltaRead, spans: Spans, keep: Sequence[torch.Tensor], itemsizes: Sequence[int],
+          changes: Optional[Dict[int, List[np.ndarray]]] = None) -> int:
+    """Scatter one delta's records (landed in ``read.staging``) into the targets, narrowed to this rank's runs;
+    the elements written. ``changes`` (when given) collects, per target, the element positions written. A
+    parameter landing as one run (a column-parallel or vocabulary slice, a whole norm) is placed by an offset; the
+    others' records are placed all at once through the runs' table (numpy, one pass an operation)."""
+    staging = read.staging.numpy()
+    written = 0
+
+    def scatter(t: int, dst: np.ndarray, v: np.ndarray, dt: torch.dtype) -> None:
+        keep[t].reshape(-1).view(dt).scatter_(0, torch.from_numpy(dst), torch.from_numpy(np.ascontiguousarray(v)))
+        if changes is not None:
+            changes.setdefault(t, []).append(dst)
+
+    for g in spans.groups:
+        dt = int_dtype(g.itemsize)
+        record = np.dtype([("i", "<i4"), ("v", _NP_INT[g.itemsize], (g.unit,))])
+        rec = staging[g.at:g.at + g.count * record.itemsize].view(record)
+        ends = np.cumsum(g.counts)
+        rest = []  # (first, last) records of the parameters placed through the table
+        for leaf, a, b in zip(g.leaves.tolist(), (ends - g.counts).tolist(), ends.tolist()):
+            lr = read.leaves[leaf]
+            if g.unit != 1 or len(lr.e0) != 1 or b == a:
+                if b > a:
+                    rest.append((a, b))
+                continue
+            e0, e1, t, d0 = int(lr.e0[0]), int(lr.e1[0]), int(lr.target[0]), int(lr.dst[0])
+            pos = rec["i"][a:b].astype(np.int64)
+            v = rec["v"][a:b, 0]
+            if pos[0] < e0 or pos[-1] >= e1:  # records ascend: only the ends can fall outside
+                m = (pos >= e0) & (pos < e1)
+                pos, v = pos[m], v[m]
+                if not len(pos):
+                    continue
+            scatter(t, pos + (d0 - e0), v, dt)
+            written += len(pos)
+        if not rest:
+            continue
+        sel = np.concatenate([np.arange(a, b) for a, b in rest]) if len(rest) > 1 or rest[0] != (0, g.count) \
+            else slice(None)
+        sub = rec[sel]
+        base = np.repeat(g.leaves << KEY_SHIFT, g.counts)[sel]
+        if g.unit == 1:
+            key = base + sub["i"]
+        else:
+            key = ((base + sub["i"].astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
+        vals = sub["v"].reshape(-1)
+        for layer in read.layers:
+            k = np.searchsorted(layer.start, key, side="right") - 1
+            off = key - layer.start[k]  # k = -1 reads the last run: refused below
+            valid = (k >= 0) & (off < layer.length[k])
+            if valid.all():
+                kv, offv, v = k, off, vals
+            else:
+                idx = np.flatnonzero(valid)
+                if not len(idx):
+                    continue
+                kv, offv, v = k[idx], off[idx], vals[idx]
+            tgt = layer.target[kv]
+            dst = layer.dst[kv] + offv
+            # keys ascend, so a target's elements come in runs of the same target: one scatter per run
+            cut = np.flatnonzero(tgt[1:] != tgt[:-1]) + 1
+            for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(tgt)])).tolist()):
+                scatter(int(tgt[a]), dst[a:b], v[a:b], dt)
+            written += len(kv)
+    return written
+
+
+def whole_runs(runs: Runs, read: DeltaRead) -> Optional[Runs]:
+    """The rank's runs of the parameters read whole (None: none)."""
+    if not read.whole:
+        return None
+    rows = np.concatenate([np.arange(read.leaves[p].rows.start, read.leaves[p].rows.stop) for p in read.whole])
+    return Runs(runs.leaf[rows], runs.src[rows], runs.target[rows], runs.dst[rows], runs.n[rows])
+
+
+def changed_estimate(chain: Sequence[Delta], read: DeltaRead, written: int) -> int:
+    """Elements changed in this rank's wants: those the records wrote, and for each parameter read whole, its wanted
+    elements times the fraction of its elements the newest version changed."""
+    out = written
+    last = chain[-1]
+    for p in read.whole:
+        e = int(last.elements[p])
+        frac = max(int(d.changed[p]) for d in chain) / e if e else 0.0
+        out += int(round(read.leaves[p].wanted * min(frac * len(chain), 1.0)))
+    return out
