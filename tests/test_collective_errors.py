@@ -400,35 +400,39 @@ def _mismatch_recovered(actors: List[Any], backend: str) -> None:
         h.destroy(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def gloo_mismatch_pair(ray_cluster):
+    """Two throwaway actors (not the module's shared ones: Gloo may abort the receiver's group mid-message) for
+    the Gloo size mismatches; each case forms and destroys a group of its own over them."""
+    actors = [cc.CollectiveWorker.remote() for _ in range(2)]
+    ray.get([a.ping.remote() for a in actors], timeout=120)
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
 @pytest.mark.parametrize("sizes", [(4, 8), (8, 4)], ids=["send-smaller", "send-larger"])
-def test_p2p_size_mismatch_gloo(ray_cluster, sizes: Tuple[int, int]) -> None:
-    actors = [cc.CollectiveWorker.remote() for _ in range(2)]  # throwaway: Gloo may abort the receiver
-    try:
-        ray.get([a.ping.remote() for a in actors], timeout=60)
-        _mismatch(actors, "gloo", f"mm-size-gloo-{sizes[0]}", (sizes[0], "float32"), (sizes[1], "float32"))
-    finally:
-        for a in actors:
-            ray.kill(a)
+def test_p2p_size_mismatch_gloo(gloo_mismatch_pair, sizes: Tuple[int, int]) -> None:
+    _mismatch(gloo_mismatch_pair, "gloo", f"mm-size-gloo-{sizes[0]}", (sizes[0], "float32"), (sizes[1], "float32"))
 
 
 @pytest.mark.parametrize("send,recv", [((1 << 18, "float32"), (1 << 17, "float32")),
                                        ((1 << 18, "float32"), (1 << 18, "int32"))], ids=["size", "dtype"])
-def test_large_p2p_mismatch_gloo_fails_both_sides_before_sending(ray_cluster, send, recv) -> None:
-    """From 1 MiB on the receiver's verdict comes before the data: both ranks raise, and no data moves."""
-    actors = [cc.CollectiveWorker.remote() for _ in range(2)]
+def test_large_p2p_mismatch_gloo_fails_both_sides_before_sending(ew, send, recv) -> None:
+    """From 1 MiB on the receiver's verdict comes before the data: both ranks raise, and no data moves (so the
+    module's shared actors serve: Gloo is never left half-way through a message)."""
+    actors = ew[:2]
     name = f"mm-large-gloo-{recv[1]}"
+    handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
     try:
-        handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
         out = ray.get([actors[0].call.remote(send_n, name, *send, 10.0),
                        actors[1].call.remote(recv_n, name, *recv, 10.0)], timeout=60)
         (serr, _, st), (rerr, _, rt_) = out
         assert_error(serr, TensorMismatchError, group=name, rank=0, op="send")
         assert_error(rerr, TensorMismatchError, group=name, rank=1, op="recv")
         assert "nothing was sent" in str(serr) and st < 10.0 and rt_ < 10.0
-        handle.destroy(timeout=10)
     finally:
-        for a in actors:
-            ray.kill(a)
+        handle.destroy(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------------- timeouts

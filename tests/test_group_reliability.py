@@ -2,8 +2,9 @@
 
 Everything runs on the shared local Ray cluster with real Gloo / NIXL / UCX groups. A "slow consumer" is a real
 consumer process frozen with SIGSTOP by its producer right after the producer has posted an object's sends, so
-the request and the receives are made by rdt's own code. Throwaway actors are used wherever a group ends up
-errored, stuck or killed.
+the request and the receives are made by rdt's own code. Every test that leaves its actors alive shares three
+(``trio``): it forms a group of its own (errored, stuck or not) and destroys it, and the fixture resumes the actors
+and restores their config afterwards. Throwaway actors are used wherever an actor is killed.
 """
 
 from __future__ import annotations
@@ -87,20 +88,42 @@ def timed_allreduce(name: str, timeout: float, algorithm: str = "auto") -> float
 
 
 # ---------------------------------------------------------------------------------------------- item 1
+def _config() -> Dict[str, Any]:
+    """(worker side) the settings the tests change."""
+    from rdt._process.context import get_context
+
+    config = get_context().config
+    return dict(transfer_timeout=config.transfer_timeout, relay=config.relay)
+
+
 @pytest.fixture(scope="module")
-def send_timeout_trio(ray_cluster):
-    """Producer, consumer, other member for both sizes: each case forms (and destroys) a group of its own and
-    resumes the consumer, which leaves the actors as they were but for the consumer's 2 s transfer timeout."""
+def _shared_trio(ray_cluster):
     actors = _peers(3)
-    yield actors
+    pids = ray.get([a.pid.remote() for a in actors], timeout=60)
+    configs = [_call(a, _config)[1] for a in actors]
+    yield actors, pids, configs
     _kill(actors)
 
 
+@pytest.fixture
+def trio(_shared_trio):
+    """Three actors shared by the module's tests that kill none: each test forms (and destroys) a group of its
+    own; afterwards every actor is resumed (SIGCONT) and gets back the config it started with."""
+    actors, pids, configs = _shared_trio
+    yield actors
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    ray.get([a.configure.remote(**c) for a, c in zip(actors, configs)], timeout=60)
+
+
 @pytest.mark.parametrize("nbytes", [MiB, 32 * MiB], ids=["direct", "go"])
-def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(send_timeout_trio, nbytes: int) -> None:
+def test_object_send_timeout_errors_producer_group_and_peers_fail_fast(trio, nbytes: int) -> None:
     """A consumer that never posts its receives in time: the producer's send wait ends at the consumer's deadline
     (not its own 60 s transfer timeout), its group is ERRORED, and another member's next collective fails fast."""
-    p, c, o = send_timeout_trio
+    p, c, o = trio
     name = f"rel-send-timeout-{nbytes}"
     handle = rt.create_collective_group([p, c, o], backend="gloo", group_name=name)
     try:
@@ -200,12 +223,12 @@ def kept_checksum() -> str:
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["unchained", "chain-head"])
-def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_ends(ray_cluster, relay: bool) -> None:
+def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_ends(trio, relay: bool) -> None:
     """Before: a gloo fetch into rdt.get(into=) targets whose wait was interrupted left its receives posted on
     the targets, unmarked: a later fetch into them landed at once, and the abandoned receive overwrote it when
     the producer's data came (the targets held the abandoned object's bytes). The later fetch now waits until
     the receive ended, then lands."""
-    p, c = _peers(2)
+    p, c = trio[:2]
     name = f"rel-interrupted-{relay}"
     handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
     nbytes = 32 * MiB  # large: the data leaves once the consumer said its receives are posted, on a send waiter
@@ -221,12 +244,11 @@ def test_an_interrupted_group_fetch_keeps_its_targets_busy_until_its_receive_end
         assert err is None and digest == fa.expected_checksum(22, nbytes), "the abandoned receive wrote last"
     finally:
         handle.destroy(timeout=10)
-        _kill([p, c])
 
 
-def test_producer_waits_as_long_as_the_consumer(ray_cluster) -> None:
+def test_producer_waits_as_long_as_the_consumer(trio) -> None:
     """A producer with a 1 s transfer timeout serves a consumer that allows 10 s and is frozen for 3 s."""
-    p, c = _peers(2)
+    p, c = trio[:2]
     name = "rel-consumer-deadline"
     handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
     try:
@@ -240,7 +262,6 @@ def test_producer_waits_as_long_as_the_consumer(ray_cluster) -> None:
         assert _state(p, name) == "healthy"
     finally:
         handle.destroy(timeout=10)
-        _kill([p, c])
 
 
 # ---------------------------------------------------------------------------------------------- item 2
@@ -353,10 +374,10 @@ def fetch_repeatedly(states: List[Dict[str, Any]], n: int) -> int:
     return n
 
 
-def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
+def test_slow_consumers_do_not_starve_collectives(trio) -> None:
     """24 fetches slow to post their receives hold object sends open; an allreduce on the same group must still
     finish, the producer's send waiters stay bounded, and every object arrives intact afterwards."""
-    p, c = _peers(2)
+    p, c = trio[:2]
     name = "rel-starve"
     n, nbytes = 24, 256 << 10
     handle = rt.create_collective_group([p, c], backend="gloo", group_name=name)
@@ -386,7 +407,6 @@ def test_slow_consumers_do_not_starve_collectives(ray_cluster) -> None:
         assert peak["all"] <= base + SEND_WAIT_BOUND + 8, f"{peak['all']} threads (from {base})"
     finally:
         handle.destroy(timeout=10)
-        _kill([p, c])
 
 
 # ---------------------------------------------------------------------------------------------- item 3
@@ -412,12 +432,10 @@ def init_alone(backend: str, name: str, timeout: float) -> Tuple[Any, bool, List
     return err, rt.is_group_initialized(name), keys
 
 
-@pytest.fixture(scope="module")
-def lone_rank(ray_cluster):
+@pytest.fixture
+def lone_rank(trio):
     """One actor for every backend's lone rank 0: a failed init leaves it no member of anything."""
-    (a,) = _peers(1)
-    yield a
-    _kill([a])
+    return trio[2]
 
 
 @pytest.mark.parametrize("backend", [_backend_param("gloo"), _backend_param("nixl"), _backend_param("ucx")])
@@ -494,10 +512,10 @@ def busy(seconds: float) -> float:
     return seconds
 
 
-def test_driver_destroy_reaches_members_stuck_in_a_collective(ray_cluster) -> None:
+def test_driver_destroy_reaches_members_stuck_in_a_collective(trio) -> None:
     """Two members block in an allreduce waiting for a third that is alive but busy in a long user method:
     ``handle.destroy(timeout=...)`` returns in bounded time and both stuck calls raise GroupDestroyedError."""
-    actors = _peers(3)
+    actors = trio
     name = "rel-stuck"
     handle = rt.create_collective_group(actors, backend="gloo", group_name=name)
     try:
@@ -519,7 +537,7 @@ def test_driver_destroy_reaches_members_stuck_in_a_collective(ray_cluster) -> No
         assert ray.get(busy_ref, timeout=60)[0] is None
         assert wait_for(lambda: _state(actors[2], name) is None, timeout=30)  # its queued destroy ran
     finally:
-        _kill(actors)
+        handle.destroy(timeout=10)  # a no-op once destroyed
 
 
 # ---------------------------------------------------------------------------------------------- item 1, nixl
@@ -528,9 +546,9 @@ def timed_recv(name: str, src: int, timeout: float) -> None:
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (pip install 'ray-direct-transport[nixl]')")
-def test_nixl_peer_of_a_timed_out_member_fails_fast(ray_cluster) -> None:
+def test_nixl_peer_of_a_timed_out_member_fails_fast(trio) -> None:
     """Rank 0's recv times out; rank 1, blocked in a recv with a 30 s timeout, fails within about a second after."""
-    a, b = _peers(2)
+    a, b = trio[:2]
     name = "rel-nixl-timeout"
     handle = rt.create_collective_group([a, b], backend="nixl", group_name=name)
     try:
@@ -547,4 +565,3 @@ def test_nixl_peer_of_a_timed_out_member_fails_fast(ray_cluster) -> None:
         assert _state(b, name) == "errored"
     finally:
         handle.destroy(timeout=10)
-        _kill([a, b])

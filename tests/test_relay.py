@@ -267,15 +267,46 @@ def test_a_stalled_relay_is_bypassed_and_the_group_serves_the_next_step(ray_clus
         _tear_down(pid, group, actors)
 
 
-def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluster):
+def _config() -> dict:
+    """(in an actor) the settings the tests on ``nodes`` change."""
+    from rdt._process.context import get_context
+
+    config = get_context().config
+    return dict(transfer_timeout=config.transfer_timeout, relay_min_bytes=config.relay_min_bytes)
+
+
+@pytest.fixture(scope="module")
+def _shared_nodes(ray_cluster):
+    actors = [RelayNode.remote() for _ in range(4)]
+    pids = ray.get([a.pid.remote() for a in actors], timeout=180)
+    configs = ray.get([a.call.remote(_config) for a in actors], timeout=60)
+    yield actors, pids, configs
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.fixture
+def nodes(_shared_nodes):
+    """Four actors shared by the tests that stop (SIGSTOP) but kill none of them: each test forms (and destroys)
+    groups of its own; afterwards every actor is resumed and gets back the config it started with."""
+    actors, pids, configs = _shared_nodes
+    yield actors
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    ray.get([a.configure.remote(**c) for a, c in zip(actors, configs)], timeout=60)
+
+
+def test_held_relay_polls_leave_the_producers_control_plane_answering(nodes):
     """A relayed fetch asks its producer whom to forward to, and the producer holds that poll until a follower
     joins or the fetch says it is done. 16 lone relayed fetches of 16 objects at once (two consumers, 8 each,
     as many as their fetch threads) must each end well within their timeout, and the producer's control server
     must answer other requests (stats) promptly meanwhile."""
-    actors = [RelayNode.remote() for _ in range(3)]
+    actors = nodes[:3]
     p, cs = actors[0], actors[1:]
     group = rdt.create_collective_group(actors, backend="gloo")
     try:
+        served_before = _relay(p).get("served_bytes", 0)
         ray.get([c.configure.remote(transfer_timeout=30.0, relay_min_bytes=1 << 20) for c in cs])
         refs = [p.state.remote(1 << 20, 100 + i) for i in range(16)]
         ray.wait(refs, num_returns=len(refs), timeout=60)
@@ -295,19 +326,17 @@ def test_held_relay_polls_leave_the_producers_control_plane_answering(ray_cluste
         assert slowest < 15 and stats_wait < 10, \
             f"a fetch took {slowest:.1f}s (timeout 20 s), a stats request {stats_wait:.1f}s: the producer's control " \
             "server was held"
-        assert _relay(p)["served_bytes"] > 0 and wait_for(lambda: _relay(p)["chains"] == 0, timeout=30)
+        assert _relay(p)["served_bytes"] > served_before and wait_for(lambda: _relay(p)["chains"] == 0, timeout=30)
     finally:
         rdt.destroy_collective_group(group)
-        for a in actors:
-            ray.kill(a)
 
 
-def test_a_member_of_another_group_cannot_poll_or_close_a_chain(ray_cluster):
+def test_a_member_of_another_group_cannot_poll_or_close_a_chain(nodes):
     """The producer is in group A (with c1, c2) and group B (with x). While c1 receives (stopped mid-chain), x
     polls c1's chain in A and asks to close it, signing with B's secret and naming the chain's id and c1's rank
     (the worst case: it knows them), and c2, a member of A, does the same for another object: the producer
     refuses each with a typed error, the chain stays open, and c2's fetch is still chained behind c1."""
-    p, c1, c2, x = actors = [RelayNode.remote() for _ in range(4)]
+    p, c1, c2, x = actors = nodes
     a = rdt.create_collective_group([p, c1, c2], backend="gloo")
     b = rdt.create_collective_group([p, x], backend="gloo")
     ray.get([n.configure.remote(transfer_timeout=30.0) for n in actors])
@@ -338,5 +367,3 @@ def test_a_member_of_another_group_cannot_poll_or_close_a_chain(ray_cluster):
             os.kill(pid, signal.SIGCONT)
         for g in (a, b):
             rdt.destroy_collective_group(g)
-        for n in actors:
-            ray.kill(n)
