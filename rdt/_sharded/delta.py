@@ -142,11 +142,7 @@ def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Enc
         parts.append(rec.reshape(-1))
         at += rec.size
     dir_at.append(d_at)
-    records = torch.from_numpy(np.concatenate(parts)) if parts else None
-    columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
-               np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
-               np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
-    return Encoded(records, columns, positions)
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, positions)
 
 
 def _pack(a: np.ndarray, idx: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -191,11 +187,18 @@ def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Option
         parts.append(rec.reshape(-1))
         at += rec.size
     dir_at.append(d_at)
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, list(positions))
+
+
+def _encoded(parts: List[np.ndarray], cols: Tuple[List[int], ...], dirs: List[np.ndarray],
+             positions: List[Optional[np.ndarray]]) -> Encoded:
+    """An encoding from its per-parameter lists: the records concatenated, the columns as typed arrays."""
+    kinds, units, counts, rec_off, changed, elements, dir_at = cols
     records = torch.from_numpy(np.concatenate(parts)) if parts else None
     columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
                np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
                np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
-    return Encoded(records, columns, list(positions))
+    return Encoded(records, columns, positions)
 
 
 def update_base(base: Sequence[torch.Tensor], current: Sequence[torch.Tensor], enc: Encoded) -> None:
