@@ -198,7 +198,7 @@ def _whole(ctx: Any, meta: ObjectMeta, dst: np.ndarray, buf: np.ndarray, off: np
     return f"whole:{fetched.label}"
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named as metadata names it (looked up once per dtype)."""
     size = _ITEMSIZE.get(dtype)
     if size is None:
@@ -210,7 +210,7 @@ def _sources(meta: ObjectMeta, leaf: np.ndarray, src: np.ndarray) -> Tuple[np.nd
     """Per run (its leaf and byte offset in the leaf), the buffer it is read from and the byte offset in that
     buffer, from this object's own metadata."""
     specs = meta.specs  # columns: read them as arrays, no TensorSpec made per leaf
-    size = np.array([_itemsize(name) for name in specs.names], np.int64)
+    size = np.array([itemsize(name) for name in specs.names], np.int64)
     buf = np.asarray(specs.buffer, np.int64)
     base = np.asarray(specs.offset, np.int64) * size[np.asarray(specs.dtype, np.int64)]
     return buf[leaf], base[leaf] + src
@@ -232,4 +232,4 @@ def readers(ctx: Any) -> ThreadPoolExecutor:
     return ctx.transport_state("range-readers", _Readers).pool
 
 
-__all__ = ["Landed", "RangeRead", "Runs", "fetch_ranges", "readers", "sources"]
+__all__ = ["Landed", "RangeRead", "Runs", "fetch_ranges", "itemsize", "readers", "sources"]

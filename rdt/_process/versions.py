@@ -57,6 +57,7 @@ class _Record:
     rank: int
     version: int
     kept_bytes: int
+    changes: bool = False  # a delta stream's changes (rdt._sharded.delta), not weights
     open: bool = True
     why: str = ""
     retired: bool = False  # a kept copy no longer kept: freed once its readers ended
@@ -79,8 +80,9 @@ class Versions:
         self._bases: Dict[Hashable, int] = {}  # delta streams' base copies (rdt._sharded.delta): bytes per stream
 
     # ---------------------------------------------------------------- the producer's side
-    def publish(self, obj_id: bytes, stream: Hashable, rank: int, version: int, kept_bytes: int, keep: int) -> None:
-        """Record a publication. Earlier live-weight publications of the stream with another version are gone (the
+    def publish(self, obj_id: bytes, stream: Hashable, rank: int, version: int, kept_bytes: int, keep: int,
+                changes: bool = False) -> None:
+        """Record a publication (``changes``: a delta stream's changes, counted apart in :meth:`stats`). Earlier live-weight publications of the stream with another version are gone (the
         weights they read may have changed since: their readers in flight fail); kept copies beyond the newest
         ``keep`` of the stream are closed and freed once their readers ended."""
         to_free: List[bytes] = []
@@ -90,7 +92,7 @@ class Versions:
             for r in same:
                 if not r.kept_bytes and r.version != version:
                     self._drop(r, f"superseded by version {version}, published without a fence first", to_free)
-            self._records[obj_id] = _Record(obj_id, stream, rank, version, kept_bytes)
+            self._records[obj_id] = _Record(obj_id, stream, rank, version, kept_bytes, changes)
             kept = [r for r in self._records.values() if r.stream == stream and r.open and r.kept_bytes]
             for r in kept[:max(len(kept) - keep, 0)] if keep else []:
                 r.open, r.retired = False, True
@@ -159,8 +161,8 @@ class Versions:
         streams (``put_shards(delta=True)``): the versions whose changes are kept, their bytes, and the base
         copies' bytes."""
         with self._cond:
-            delta = [r for r in self._records.values() if _is_delta(r.stream)]
-            full = [r for r in self._records.values() if not _is_delta(r.stream)]
+            delta = [r for r in self._records.values() if r.changes]
+            full = [r for r in self._records.values() if not r.changes]
             return {"publications": len(full), "readers": self._readers,
                     "kept_versions": sum(1 for r in full if r.kept_bytes),
                     "kept_bytes": sum(r.kept_bytes for r in full),
@@ -288,11 +290,6 @@ class Versions:
     def _free_all(self, obj_ids: List[bytes]) -> None:
         for obj_id in obj_ids:
             self._free(obj_id)
-
-
-def _is_delta(stream: Hashable) -> bool:
-    """Whether a stream holds the changes of a delta stream (rdt._sharded: ("delta", ...) or ("replica-delta", ...))."""
-    return isinstance(stream, tuple) and bool(stream) and stream[0] in ("delta", "replica-delta")
 
 
 # -------------------------------------------------------------------- range sets and their checksums

@@ -251,7 +251,8 @@ def publish_changes(enc: "_delta.Encoded", base: int, version: int, lineage: byt
         nbytes = enc.records.numel()
         meta = _publish({"records": enc.records}, transport, timeout, False)
         if meta is not None:
-            get_context().versions.publish(meta.obj_id, stream, rank, version, max(meta.nbytes, 1), keep)
+            get_context().versions.publish(meta.obj_id, stream, rank, version, max(meta.nbytes, 1), keep,
+                                           changes=True)
     return _delta.Delta(base, version, lineage, meta, *enc.columns, nbytes=nbytes)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .._consumer import jobs
-from .._consumer.ranges import Landed, RangeRead, fetch_ranges, readers, sources
+from .._consumer.ranges import Landed, RangeRead, fetch_ranges, itemsize, readers, sources
 from ..errors import ChecksumMismatchError, GroupDestroyedError, ObjectFreedError, VersionGoneError
 from . import delta as _delta, register, verify as _verify
 from .plan import Plan
@@ -194,17 +194,9 @@ def delta_shards(shards: Shards, d: _delta.Delta) -> Shards:
                   source=f"{shards.source} (its changes from version {d.base} to {d.version})")
 
 
-_ITEMSIZE: Dict[str, int] = {}
-
-
 def itemsizes(shards: Shards) -> List[int]:
-    out = []
-    for p in shards.params:
-        size = _ITEMSIZE.get(p.dtype)
-        if size is None:
-            size = _ITEMSIZE[p.dtype] = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
-        out.append(size)
-    return out
+    """Bytes per element of each of the rank's parameters."""
+    return [itemsize(p.dtype) for p in shards.params]
 
 
 def raise_first(errors: List[BaseException]) -> None:
