@@ -245,20 +245,19 @@ class Streams(State):
         with self.lock:
             return self.by.get(key)
 
-    def put(self, key: Hashable, stream: Stream) -> None:
+    def put(self, key: Hashable, stream: Stream) -> List[Hashable]:
+        """Keep ``stream`` under ``key``; the keys of the least recently put streams dropped beyond MAX."""
         with self.lock:
             self.by[key] = stream
             self.by.move_to_end(key)
+            dropped = []
             while len(self.by) > self.MAX:
-                self.by.popitem(last=False)
+                dropped.append(self.by.popitem(last=False)[0])
+            return dropped
 
     def drop(self, key: Hashable) -> None:
         with self.lock:
             self.by.pop(key, None)
-
-    def stats(self) -> Dict[str, int]:
-        with self.lock:
-            return {"delta_streams": len(self.by), "delta_base_bytes": sum(s.base_bytes for s in self.by.values())}
 
     def close(self) -> None:
         with self.lock:

@@ -222,7 +222,8 @@ def _publish_delta(streams: "_delta.Streams", stream: Any, previous: Optional["_
     versions = get_context().versions
     if previous is None:
         previous = _delta.Stream(_delta.new_lineage(), shards.params, shards.version, [t.clone() for t in tensors])
-        streams.put(stream, previous)
+        for gone in streams.put(stream, previous):  # the stats count only the base copies still held
+            versions.set_base(gone, 0)
         versions.set_base(stream, previous.base_bytes)
         shards.lineage = previous.lineage
         return
