@@ -139,6 +139,7 @@ class Preset:
     weight_sync_cases: Optional[Tuple[str, ...]] = None
     weight_sync_steps: Optional[int] = None
     sharded_sync_calibrate: bool = True
+    sharded_sync_shared: bool = False
     about: str = ""  # what it covers, for the log and the report
 
 
@@ -157,15 +158,18 @@ DEFAULT = Preset(
     weight_sync_cases=tuple(c.impl for c in WEIGHT_SYNC_CASES if c.consume != "copy_" or c.impl == "ray-rdt-gloo"),
     weight_sync_steps=3,
     sharded_sync_calibrate=False,
+    sharded_sync_shared=True,
     about="p2p against ray.util.collective at 4 KiB and 128 MiB (rdt's gloo, nixl, ucx interleaved with it); one "
           "object round trip per transport at 4 KiB and 128 MiB, with peak memory; weight sync of Qwen2.5-0.5B's "
           "shapes at scale 0.25 (247 MB), whole to 1 and 4 workers (Ray's RDT, the hand-written broadcast, rdt "
           "into= per transport, with worker memory) and sharded over shm (4 trainer ranks -> 2 engines x TP 2, "
-          "against the hand-written broadcast and Ray's RDT, with trainer memory)")
+          "against the hand-written broadcast and Ray's RDT, the three rows on one shared set of 8 actors, with "
+          "trainer memory)")
 FULL_ONLY = ("allreduce; p2p at 1 MiB and 16 MiB and the baselines run as their own cases (torch.distributed, the "
              "object store); objects rdt-gloo-noinline and more round trips; weight sync at full scale with 2 "
              "workers, the object store and the copy_ rows; sharded-sync's whole-model rows, nixl, gloo and auto, "
-             "the replicas row, the 200-step verify soak and the range-cost calibration")
+             "the replicas row, the 200-step verify soak and the range-cost calibration, each sharded-sync row in "
+             "fresh actors")
 
 
 def pick_preset(args: argparse.Namespace) -> Tuple[Optional[Preset], str]:
@@ -197,7 +201,8 @@ def make_config(args: argparse.Namespace, preset: Preset) -> BenchConfig:
         object_rounds=preset.object_rounds,
         weight_sync_cases=list(preset.weight_sync_cases) if preset.weight_sync_cases is not None else None,
         weight_sync_steps=None if args.iters else preset.weight_sync_steps,
-        sharded_sync_calibrate=preset.sharded_sync_calibrate)
+        sharded_sync_calibrate=preset.sharded_sync_calibrate,
+        sharded_sync_shared=preset.sharded_sync_shared)
 
 
 def full_plan_s(args: argparse.Namespace) -> float:
@@ -438,6 +443,8 @@ def _trims(config: BenchConfig) -> Dict[str, Any]:
         out["sharded_sync_rows"] = config.sharded_sync_rows
     if not config.sharded_sync_calibrate:
         out["sharded_sync_calibrate"] = False
+    if config.sharded_sync_shared:
+        out["sharded_sync_shared"] = True
     return out
 
 
