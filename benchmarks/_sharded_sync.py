@@ -374,6 +374,7 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         before = world.stats() if case.is_rdt else []
         times, reports = [], []
         grew: List[Dict[str, int]] = []
+        phase = time.monotonic()
         for i in range(warmup + iters):
             counted = link() if link is not None and i >= warmup else None
             dt, reps = world.step()
@@ -396,15 +397,22 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         elif not case.loads:
             row["bytes_received"] = [shape.nbytes] * len(world.engines)  # the whole model, by construction
             row["bytes_received_computed"] = True
+        row["phases_s"] = {"steps": round(time.monotonic() - phase, 2)}  # warm-up and timed, with the updates
+        phase = time.monotonic()
         if case.kind == "sharded":
             row["replay_solo_overhead_s"] = world.replay_solo(SOLO_LOADS)
             row["replay_solo_loads"] = SOLO_LOADS
+            row["phases_s"]["replay_solo"] = round(time.monotonic() - phase, 2)
+            phase = time.monotonic()
         mem, last = world.memory_step()
+        row["phases_s"]["memory_step"] = round(time.monotonic() - phase, 2)
+        phase = time.monotonic()
         row.update(mem)
         if case.loads:
             _sharded_fields(row, reports, last)
         row["mechanism"] = _mechanism(case, before, after, reports + [last])
         row["bytes_checked"] = world.check_all()
+        row["phases_s"]["byte_check"] = round(time.monotonic() - phase, 2)
         if then is not None:
             try:
                 then(world)
@@ -423,7 +431,9 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         row["error"] = _error(e)
         log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
     finally:
+        phase = time.monotonic()
         world.close(failed)
+        row.setdefault("phases_s", {})["close"] = round(time.monotonic() - phase, 2)
     return row
 
 
