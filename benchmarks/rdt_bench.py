@@ -48,6 +48,9 @@ from ._report import (check_targets, compare, format_markdown, format_table, for
                       write_png)
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+# For the time-left estimate: the actors' and Ray's shutdown and the report (tables, Markdown, two plots) after the
+# last case, in the plan's reference seconds (6.9 s in the quiet default run of 2026-11-29 14:20, at pace ~1.2)
+EST_TAIL_S = 6.0
 P2P_WORLD_SIZE = 2
 
 Suite = Callable[[BenchContext], List[Dict[str, Any]]]
@@ -358,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         if prior > 1:
             log(f"rdt-bench: load average {load0:.1f} on {os.cpu_count()} cores before the run: the time-left "
                 f"estimate starts at {prior:.1f}x the plan's reference times")
-        with Progress(run_plan(ctx, suites), prior_pace=prior) as ctx.progress:
+        with Progress(run_plan(ctx, suites), prior_pace=prior, tail_s=EST_TAIL_S) as ctx.progress:
             progress = ctx.progress
             for i, name in enumerate(suites):
                 ctx.progress.start_suite(name)
@@ -369,11 +372,13 @@ def run(args: argparse.Namespace) -> int:
                 meta["elapsed_s"] = round(time.monotonic() - started, 1)
                 write_json(json_path, meta, rows)  # partial results survive a later crash
     finally:
+        suites_done = time.monotonic()
         pool.shutdown()
         import ray
 
         ray.shutdown()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["shutdown_s"] = round(time.monotonic() - suites_done, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
         weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows) + \
@@ -416,10 +421,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
           + (f"\nPNG:  {ws_png}" if ws_png else "") + f"\nelapsed: {meta['elapsed_s']} s")
     if progress is not None:  # how good the time-left estimate was, over the whole run (report included)
+        progress.finish()
         meta["progress"] = progress.record()
         meta["progress"]["check"] = estimate_check(meta["progress"], progress.elapsed())
+        meta["report_s"] = round(time.monotonic() - started - meta["elapsed_s"], 1)
         meta["elapsed_s"] = round(time.monotonic() - started, 1)
         write_json(json_path, meta, rows)
+        log(f"rdt-bench: outside the suites: Ray's start and the first actors {meta['progress_started_s']:.1f} s, "
+            f"the actors' and Ray's shutdown {meta['shutdown_s']:.1f} s, the report {meta['report_s']:.1f} s")
         log("rdt-bench: the time-left estimate / what remained, at " + ", ".join(
             f"{c['at']:.0%}: {c['ratio']:.2f} ({fmt_duration(c['estimate_s'])} / {fmt_duration(c['remaining_s'])})"
             for c in meta["progress"]["check"]))
