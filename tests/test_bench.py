@@ -237,6 +237,7 @@ def test_default_run_is_short_and_full_is_the_matrix() -> None:
     assert config.weight_sync_workers == [1, 4] and not config.p2p_alone
     assert config.sharded_sync_rows == ["hand-written", "ray-rdt", "rdt-sharded-shm"]
     assert not config.sharded_sync_calibrate  # the transports' declared range costs, as a user gets them
+    assert config.sharded_sync_shared  # the three sharded rows on one set of 8 actors, started once
     assert "ray-rdt-gloo" in config.object_impls and "rdt-gloo-noinline" not in config.object_impls
     assert {"ray-rdt-gloo", "ray.collective-broadcast", "rdt-shm+into"} <= set(config.weight_sync_cases)
     assert not {"ray-objstore", "rdt-shm+copy"} & set(config.weight_sync_cases)
@@ -248,6 +249,7 @@ def test_default_run_is_short_and_full_is_the_matrix() -> None:
     assert config.weight_sync_workers == [1, 2, 4] and config.world_sizes == [2, 4] and config.p2p_alone
     assert config.sharded_sync_rows is config.object_impls is config.weight_sync_cases is None
     assert config.sharded_sync_calibrate and config.object_rounds == 1.0 and config.weight_sync_steps is None
+    assert not config.sharded_sync_shared  # every sharded-sync row in fresh actors
     assert sum(full.values()) > 5 * sum(plan.values())
 
     preset, config, only = _preset_plan("--suites", "weight-sync")  # one suite: in full
