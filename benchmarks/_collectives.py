@@ -55,6 +55,7 @@ class BenchConfig:
     weight_sync_cases: Optional[List[str]] = None  # the weight-sync rows (None: all)
     weight_sync_steps: Optional[int] = None  # weight-sync timed steps per row (None: --iters, else 5)
     sharded_sync_calibrate: bool = True  # measure the range costs (else the transports' declared ones, as a user gets)
+    sharded_sync_shared: bool = False  # the sharded-sync rows share one set of 8 actors (else fresh ones per row)
 
     def iterations(self, nbytes: int) -> Tuple[int, int]:
         """(warmup, timed iterations) for a message of ``nbytes``: fewer for big messages."""

@@ -52,7 +52,9 @@ class Progress:
 
     def __init__(self, plan: Sequence[SuitePlan], stream: Optional[TextIO] = None, tty: Optional[bool] = None,
                  clock: Callable[[], float] = time.monotonic, every_s: float = LINE_EVERY_S,
-                 prior_pace: float = 1.0) -> None:
+                 prior_pace: float = 1.0, tail_s: float = 0.0) -> None:
+        """``tail_s``: the estimated cost of what follows the last case (rdt-bench's shutdown and report), counted
+        in the time left until :meth:`finish`."""
         self.plan = list(plan)
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(tty if tty is not None else getattr(self.stream, "isatty", lambda: False)())
@@ -61,6 +63,8 @@ class Progress:
         self._cost: Dict[Hashable, float] = {k: c for s in self.plan for k, c in s.cases}
         self._done: Dict[Hashable, bool] = {}  # key -> whether it ran (False: skipped when its suite ended)
         self.prior_pace = prior_pace
+        self.tail_s = tail_s
+        self._tail_done = tail_s <= 0
         self._took: List[Tuple[Hashable, float, float]] = []  # (key, estimated cost, seconds since the last event)
         self._events: List[Tuple[float, float, float, float]] = []  # (elapsed, costs done, left, running)
         self._last_event = 0.0  # elapsed at the last suite start or case done
@@ -91,10 +95,13 @@ class Progress:
     def _costs(self) -> Tuple[float, float, float]:
         """(estimated cost of the cases run, of the cases not done yet, of the one running now: the current
         suite's first case not done)."""
-        done = sum(c for k, c in self._cost.items() if self._done.get(k))
-        left = sum(c for k, c in self._cost.items() if k not in self._done)
+        tail = max(self.tail_s, 0.0)
+        done = sum(c for k, c in self._cost.items() if self._done.get(k)) + (tail if self._tail_done else 0.0)
+        left = sum(c for k, c in self._cost.items() if k not in self._done) + (0.0 if self._tail_done else tail)
         suite = self.plan[self._suite].cases if 0 <= self._suite < len(self.plan) else ()
         current = next((c for k, c in suite if k not in self._done), 0.0)
+        if not self._tail_done and len(self._done) == len(self._cost):  # every case done: the tail runs
+            current = tail
         return done, left, current
 
     def pace(self) -> float:
@@ -157,7 +164,8 @@ class Progress:
             return {"cases": [{"case": "/".join(str(x) for x in (k if isinstance(k, tuple) else (k,))),
                                "estimate_s": round(c, 3), "seconds": round(t, 3)} for k, c, t in self._took],
                     "events": [[round(x, 3) for x in ev] for ev in self._events],
-                    "prior_pace": self.prior_pace, "prior_s": PRIOR_S, "elapsed_s": round(self.elapsed(), 2)}
+                    "prior_pace": self.prior_pace, "prior_s": PRIOR_S, "tail_s": self.tail_s,
+                    "elapsed_s": round(self.elapsed(), 2)}
 
     def finish_suite(self) -> None:
         """The current suite ended: its cases not marked done did not run (a failure skipped them)."""
@@ -167,6 +175,14 @@ class Progress:
                     self._done.setdefault(k, False)
             self._event()
             self._report(force=True)
+
+    def finish(self) -> None:
+        """What follows the last case (the tail) is done too: the time left is 0, said on one last line."""
+        with self._lock:
+            if not self._tail_done:
+                self._tail_done = True
+                self._event()
+                self._report(force=True)
 
     def write(self, msg: str) -> None:
         """One log line; on a terminal the bar is cleared first and drawn again under it."""

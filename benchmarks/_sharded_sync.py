@@ -1,8 +1,9 @@
 """The sharded-sync suite (issue 30): 4 trainer ranks each hold ``Shard(0)`` of every parameter of Qwen2.5-0.5B's
 shapes in bf16; 2 engines x tensor-parallel 2 = 4 engine ranks each want their slices in vLLM's Qwen2 layout
 (:mod:`._sharded_sync_model`). A step ends when all 4 engine ranks hold the new weights and includes whatever
-gathering a row needs. Every row runs in 8 fresh actors (Ray's torch Gloo groups use the process's default group,
-so rows cannot share processes), side by side in one run:
+gathering a row needs. Every row runs in 8 fresh actors, side by side in one run; in the default run the rows
+share one set of 8 actors instead (:class:`Crew`: each row's state is freed before the next row's set-up; Ray's
+torch Gloo groups build on the process's torch default group, so the rows' groups keep the same ranks):
 
 - ``hand-written``: one ``ray.util.collective`` Gloo group of all 8 actors; for every parameter, every trainer rank
   in turn broadcasts its rows (4 x 290 broadcasts a step; the other trainer ranks receive them into a scratch
@@ -92,19 +93,15 @@ def iterations(config: Any) -> Tuple[int, int]:
     return warmup, config.iters or 3
 
 
-class Row:
-    """Eight fresh actors for one case: trainer ranks 0-3 and engine ranks 0-3 (engine e, TP rank r is 2e + r),
-    with the groups the case needs."""
+class Crew:
+    """Eight actors: trainer ranks 0-3 and engine ranks 0-3 (engine e, TP rank r is 2e + r), all ranks in that
+    order in every group. Rows that share a crew (the default run's) form the Ray groups they need on it once and
+    keep them: Ray's torch Gloo groups (``ray.util.collective``'s and Ray's RDT's) build on one torch default group
+    per process and coexist when every group has the same ranks, as here."""
 
-    def __init__(self, shape: ModelShape, case: Case, group_timeout: float,
-                 range_costs: Optional[Dict[str, Tuple[float, float]]] = None,
-                 nodes: Optional[List[str]] = None) -> None:
-        """``range_costs``: the engine ranks' rdt.configure(range_costs=); ``nodes``: a custom resource per actor
-        (trainer ranks first, then engine ranks) to pin each to a node (the cross-node suite)."""
-        self.shape, self.case = shape, case
-        self.rows = [trainer_rows(shape, TRAINERS, r) for r in range(TRAINERS)]
-        self.wants = [engine_wants(shape, TP, i % TP) for i in range(ENGINES * TP)]
-        self.shapes = dict(shape.shapes())
+    def __init__(self, nodes: Optional[List[str]] = None) -> None:
+        """``nodes``: a custom resource per actor (trainer ranks first, then engine ranks) to pin each to a node (the
+        cross-node suite)."""
         cls = actor_class()
         place = [cls.options(resources={r: 1}) for r in nodes] if nodes else [cls] * (TRAINERS + ENGINES * TP)
         if len(place) != TRAINERS + ENGINES * TP:
@@ -112,6 +109,34 @@ class Row:
         self.trainers = [a.remote() for a in place[:TRAINERS]]
         self.engines = [a.remote() for a in place[TRAINERS:]]
         self.everyone = self.trainers + self.engines
+        self.col_group = ""  # the hand-written row's ray.util.collective group, once formed
+        self.ray_rdt = False  # Ray's RDT torch Gloo group, once formed
+        self.rows = 0  # rows set up on these actors
+        self.alive = True  # False once killed (a failed row's, or the suite's end)
+
+    def close(self) -> None:
+        """Kill the actors (Ray's groups go with their processes)."""
+        if self.alive:
+            close_actors(None, self.everyone, SUITE)
+        self.alive = False
+
+
+class Row:
+    """One case on a crew of eight actors, with the groups the case needs: fresh actors (``crew`` None; closing
+    the row kills them), or the shared ``crew`` (closing the row frees what it held in them)."""
+
+    def __init__(self, shape: ModelShape, case: Case, group_timeout: float,
+                 range_costs: Optional[Dict[str, Tuple[float, float]]] = None,
+                 nodes: Optional[List[str]] = None, crew: Optional[Crew] = None) -> None:
+        """``range_costs``: the engine ranks' rdt.configure(range_costs=); ``nodes``: see :class:`Crew`; ``crew``:
+        actors shared with other rows, idle (a row before released them)."""
+        self.shape, self.case = shape, case
+        self.rows = [trainer_rows(shape, TRAINERS, r) for r in range(TRAINERS)]
+        self.wants = [engine_wants(shape, TP, i % TP) for i in range(ENGINES * TP)]
+        self.shapes = dict(shape.shapes())
+        self.shared = crew is not None
+        self.crew = crew if crew is not None else Crew(nodes)
+        self.trainers, self.engines, self.everyone = self.crew.trainers, self.crew.engines, self.crew.everyone
         self.timeout = 120.0 + shape.nbytes * 8 / 50e6
         self.group: Any = None
         self.col_group = ""
@@ -125,8 +150,10 @@ class Row:
             if case.loads and range_costs:  # this machine's measured range costs (exact runs vs covering reads)
                 ray.get([e.configure.remote(range_costs=range_costs) for e in self.engines], timeout=60)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
+        self.crew.rows += 1
+        self.pids = [i["pid"] for i in infos]
         self.shard_bytes = [i["shard_bytes"] for i in infos[:TRAINERS]]
         self.target_bytes = [i["target_bytes"] for i in infos[TRAINERS:]]
         self.order = [(name, [(r, self.rows[r][name][1], self.rows[r][name][2]) for r in range(TRAINERS)
@@ -135,14 +162,20 @@ class Row:
         self.k = 0
 
     def _groups(self, group_timeout: float) -> None:
+        crew = self.crew
         if self.case.kind == "hand":
-            self.col_group = f"sharded-bcast-{uuid.uuid4().hex[:8]}"
-            ray.get([a.col_join.remote(len(self.everyone), r, self.col_group, int(group_timeout * 1000))
-                     for r, a in enumerate(self.everyone)], timeout=group_timeout + 30)
+            if not crew.col_group:
+                group = f"sharded-bcast-{uuid.uuid4().hex[:8]}"
+                ray.get([a.col_join.remote(len(self.everyone), r, group, int(group_timeout * 1000))
+                         for r, a in enumerate(self.everyone)], timeout=group_timeout + 30)
+                crew.col_group = group
+            self.col_group = crew.col_group
         elif self.case.kind == "ray-rdt":
-            from ray.experimental.collective import create_collective_group
+            if not crew.ray_rdt:
+                from ray.experimental.collective import create_collective_group
 
-            create_collective_group(self.everyone, backend="torch_gloo")
+                create_collective_group(self.everyone, backend="torch_gloo")
+                crew.ray_rdt = True
         elif self.case.transport == "gloo":
             self.group = rdt.create_collective_group(self.everyone, backend="gloo", timeout=group_timeout)
 
@@ -231,10 +264,23 @@ class Row:
         """rdt.stats() of trainer rank 0 and every engine rank."""
         return [rdt.stats(a, timeout=30) for a in [self.trainers[0]] + self.engines]
 
-    def close(self) -> None:
-        """Destroy rdt's group and kill the actors (Ray's groups go with their processes)."""
-        close_actors(self.group, self.everyone, f"{SUITE} {self.case.impl}")
-        self.group = None
+    def close(self, failed: bool = False) -> bool:
+        """Destroy rdt's group; fresh actors: kill them; a shared crew: free what this row held in its actors
+        (:meth:`ShardedActor.release`), or kill them where the row ``failed`` or the release does (a failed step
+        can leave a group mid-operation: the next row then starts fresh actors). Whether the crew is still usable."""
+        label = f"{SUITE} {self.case.impl}"
+        group, self.group = self.group, None
+        close_actors(group, [], label)
+        if not self.shared or failed:
+            self.crew.close()
+            return False
+        try:
+            ray.get([a.release.remote(POOL_BYTES) for a in self.everyone], timeout=60)
+        except Exception as e:  # noqa: BLE001 - the next row starts fresh actors
+            log(f"{label}: freeing the shared actors failed ({_error(e)}); the next row starts fresh ones")
+            self.crew.close()
+            return False
+        return True
 
 
 # ---------------------------------------------------------------------- rows
@@ -299,28 +345,36 @@ def _sharded_fields(row: Dict[str, Any], timed: List[List[Dict[str, Any]]], samp
 def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeout: float,
              then: Optional[Callable[[Row], None]] = None,
              range_costs: Optional[Dict[str, Tuple[float, float]]] = None, nodes: Optional[List[str]] = None,
-             link: Optional[Callable[[], Dict[str, int]]] = None) -> Dict[str, Any]:
-    """Fresh actors, warm-up, timed steps, the memory step and the byte check of one case, then ``then`` on the
-    same actors (the soak; its errors are its own); an error row when the case fails (a wrong byte lands here
-    too). ``nodes``: see :class:`Row`; ``link``: byte counters (the cross-node suite's ``tc`` counters) read
-    around each timed step, their growth per step in ``row["link_bytes"]``."""
+             link: Optional[Callable[[], Dict[str, int]]] = None, crew: Optional[Crew] = None) -> Dict[str, Any]:
+    """Fresh actors (or the shared ``crew``'s: see :class:`Row`), warm-up, timed steps, the memory step and the
+    byte check of one case, then ``then`` on the same actors (the soak; its errors are its own); an error row
+    when the case fails (a wrong byte lands here too; a shared crew is then killed). ``nodes``: see :class:`Crew`;
+    ``link``: byte counters (the cross-node suite's ``tc`` counters) read around each timed step, their growth
+    per step in ``row["link_bytes"]``. ``row["actors"]``: "fresh", or "shared" with the number of rows set up on
+    the crew before this one in ``row["actors_rows_before"]`` (0: this row's set-up started them)."""
     row = _base_row(shape, case)
     if warmup + iters + 3 >= MAX_STEPS:
         row["error"] = f"at most {MAX_STEPS - 4} steps (warm-up + timed) per row"
         return row
+    row["actors"] = "fresh" if crew is None else "shared"
+    if crew is not None:
+        row["actors_rows_before"] = crew.rows
     t0 = time.monotonic()
     try:
-        world = Row(shape, case, group_timeout, range_costs, nodes)
+        world = Row(shape, case, group_timeout, range_costs, nodes, crew)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"setup: {_error(e)}"
         log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
         return row
+    failed = True
     try:
         row["setup_s"] = round(time.monotonic() - t0, 2)
+        row["actor_pids"] = world.pids
         row["shard_bytes"], row["target_bytes"] = world.shard_bytes, world.target_bytes
         before = world.stats() if case.is_rdt else []
         times, reports = [], []
         grew: List[Dict[str, int]] = []
+        phase = time.monotonic()
         for i in range(warmup + iters):
             counted = link() if link is not None and i >= warmup else None
             dt, reps = world.step()
@@ -343,15 +397,22 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
         elif not case.loads:
             row["bytes_received"] = [shape.nbytes] * len(world.engines)  # the whole model, by construction
             row["bytes_received_computed"] = True
+        row["phases_s"] = {"steps": round(time.monotonic() - phase, 2)}  # warm-up and timed, with the updates
+        phase = time.monotonic()
         if case.kind == "sharded":
             row["replay_solo_overhead_s"] = world.replay_solo(SOLO_LOADS)
             row["replay_solo_loads"] = SOLO_LOADS
+            row["phases_s"]["replay_solo"] = round(time.monotonic() - phase, 2)
+            phase = time.monotonic()
         mem, last = world.memory_step()
+        row["phases_s"]["memory_step"] = round(time.monotonic() - phase, 2)
+        phase = time.monotonic()
         row.update(mem)
         if case.loads:
             _sharded_fields(row, reports, last)
         row["mechanism"] = _mechanism(case, before, after, reports + [last])
         row["bytes_checked"] = world.check_all()
+        row["phases_s"]["byte_check"] = round(time.monotonic() - phase, 2)
         if then is not None:
             try:
                 then(world)
@@ -364,13 +425,25 @@ def run_case(shape: ModelShape, case: Case, warmup: int, iters: int, group_timeo
             f"  trainer USS +"
             f"{max(row['trainer_uss_growth_bytes']) / 1e6:.1f} MB  peak RSS trainer/engine "
             f"{max(row['trainer_rss_peak_bytes']) / 1e6:.0f}/{max(row['engine_rss_peak_bytes']) / 1e6:.0f} MB  "
-            f"[{row['mechanism']}]")
+            f"[{row['mechanism']}]  set-up {row['setup_s']:.1f} s, {_actors(row)}")
+        failed = False
     except Exception as e:  # noqa: BLE001 - record and go on
         row["error"] = _error(e)
         log(f"{SUITE} {case.impl:<18} ERROR {row['error']}")
     finally:
-        world.close()
+        phase = time.monotonic()
+        world.close(failed)
+        row.setdefault("phases_s", {})["close"] = round(time.monotonic() - phase, 2)
     return row
+
+
+def _actors(row: Dict[str, Any]) -> str:
+    """How a row got its actors, for the log: 'fresh actors', 'shared actors (started here)', 'shared actors (2
+    rows before)'."""
+    if row.get("actors") != "shared":
+        return "fresh actors"
+    before = row.get("actors_rows_before", 0)
+    return f"shared actors ({f'{before} row(s) before' if before else 'started here'})"
 
 
 def soak_steps(scale: float) -> int:
@@ -467,12 +540,16 @@ def soak_row(shape: ModelShape, result: Optional[Dict[str, Any]], why: str = "",
 
 
 def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
-    """Every case in its own fresh actors, then the soak's row."""
+    """Every case in its own fresh actors, or (``config.sharded_sync_shared``, the default run) every case on one
+    shared set of 8 actors, each row's state freed before the next row's set-up; then the soak's row."""
     config = ctx.config
     shape = model_shape(config.weight_sync_scale)
     warmup, iters = iterations(config)
+    shared = getattr(config, "sharded_sync_shared", False)
     log(f"{SUITE}: {shape.describe()}; {TRAINERS} trainer ranks (Shard(0)) -> {ENGINES} engines x TP {TP}; "
-        f"{warmup} warm-up + {iters} timed steps per row, fresh actors per row")
+        f"{warmup} warm-up + {iters} timed steps per row, "
+        + ("the rows share one set of 8 actors (each row's tensors, loader and pools freed before the next row's "
+           "set-up; the Ray groups kept; fresh ones after a failed row)" if shared else "fresh actors per row"))
     rows = []
     chosen = getattr(config, "sharded_sync_rows", None)
     soak: Dict[str, Any] = {}
@@ -483,15 +560,22 @@ def sharded_sync_suite(ctx: Any) -> List[Dict[str, Any]]:
     rows.append(dict(_base_row(shape, Case("rdt-range-costs", "calibration")), mode="calibration", family="rdt",
                      mechanism="declared range costs" if declared else
                      "exact runs, 2 fresh actors per transport", calibration=measured, declared=declared))
-    for case in CASES:
-        if chosen is not None and case.impl not in chosen:
-            rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
-            continue
-        host = case.impl == SOAK_HOST and (chosen is None or SOAK_ROW in chosen)
-        rows.append(run_case(shape, case, warmup, iters, config.group_timeout,
-                             (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None,
-                             range_costs(measured)))
-        ctx.progress.done((SUITE, case.impl))
+    crew: Optional[Crew] = None
+    try:
+        for case in CASES:
+            if chosen is not None and case.impl not in chosen:
+                rows.append(dict(_base_row(shape, case), error=NOT_SELECTED))
+                continue
+            host = case.impl == SOAK_HOST and (chosen is None or SOAK_ROW in chosen)
+            if shared and (crew is None or not crew.alive):
+                crew = Crew()
+            rows.append(run_case(shape, case, warmup, iters, config.group_timeout,
+                                 (lambda w: _soak_into(soak, w, soak_steps(shape.scale))) if host else None,
+                                 range_costs(measured), crew=crew))
+            ctx.progress.done((SUITE, case.impl))
+    finally:
+        if crew is not None:
+            crew.close()
     host_row = next((r for r in rows if r["impl"] == SOAK_HOST), None)
     why = f"its host row {SOAK_HOST} was not selected" if host_row is None or "error" in host_row and \
         host_row["error"] == NOT_SELECTED else f"its host row {SOAK_HOST} failed" if "error" in host_row else \
@@ -509,21 +593,29 @@ EST_STEP_COPIES: Dict[Tuple[str, str], float] = {
     ("whole", "gloo"): 24.0, ("whole", "auto"): 10.0, ("sharded", "shm"): 4.5, ("sharded", "nixl"): 6.5,
     ("sharded", "gloo"): 11.5, ("sharded", "auto"): 5.5, ("replicas", "shm"): 5.0}
 EST_TENSOR_S = 0.002
+# The memory step costs about this many more steps than a plain one (every actor reads its smaps_rollup every 3 ms
+# while it runs: in a loaded default run of 2026-11-29 it took 2.7-4.7 plain steps); and a row's byte check, stats
+# and (shared actors) release: 4-6 s a row in that run, at about 8x a quiet run's pace.
+EST_MEMORY_STEP_EXTRA = 2.0
+EST_ROW_S = 2.5
 EST_CALIBRATION_S = 2 * EST_ACTOR_S + 2.0
 EST_SOAK_STEP_COPIES = 31.0
 
 
 def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
-    """Progress keys and rough costs: each case (8 fresh actors, the model's shards and targets written, its timed
-    and memory steps, the replayed loads and the byte check; the first also the calibration), and the soak."""
+    """Progress keys and rough costs: each case (8 fresh actors, or the first case only where the rows share them;
+    the model's shards and targets written, its timed and memory steps, the replayed loads and the byte check; the
+    first also the calibration), and the soak."""
     shape = model_shape(config.weight_sync_scale)
     copy_s = shape.nbytes / EST_COPY_BYTES_PER_S
     tensors = len(shape.shapes())
     warmup, iters = iterations(config)
     # 8 fresh actors at 1.25x EST_ACTOR_S each: 8 processes starting at once on 2 cores took 1.1-1.5x what the
     # other suites' cases did, relative to their estimates, in four loaded default runs (2026-11-29); quiet, at full
-    # scale, a row's setup took 13.5-18 s (2026-11-27 22:49)
-    setup = 1.25 * (TRAINERS + ENGINES * TP) * EST_ACTOR_S + 3 * copy_s + EST_SETUP_S
+    # scale, a row's setup took 13.5-18 s (2026-11-27 22:49). Rows that share the actors start them once.
+    start = 1.25 * (TRAINERS + ENGINES * TP) * EST_ACTOR_S
+    setup = 3 * copy_s + EST_SETUP_S
+    shared = getattr(config, "sharded_sync_shared", False)
     chosen = getattr(config, "sharded_sync_rows", None)
     cases = [c for c in CASES if chosen is None or c.impl in chosen]
     calibration = len(calibrated(config)) * EST_CALIBRATION_S
@@ -531,8 +623,8 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
     for i, c in enumerate(cases):
         step = EST_STEP_COPIES.get((c.kind, c.transport), 10.0) * copy_s + tensors * EST_TENSOR_S
         solo = SOLO_LOADS * ENGINES * TP * step / 2 if c.kind == "sharded" else 0.0
-        out.append(((SUITE, c.impl), (calibration if i == 0 else 0.0) + setup
-                    + (warmup + iters + 1) * step + solo + 2 * copy_s))
+        out.append(((SUITE, c.impl), (calibration if i == 0 else 0.0) + (start if i == 0 or not shared else 0.0)
+                    + setup + (warmup + iters + 1 + EST_MEMORY_STEP_EXTRA) * step + solo + 2 * copy_s + EST_ROW_S))
     soak = chosen is None or SOAK_ROW in chosen
     return out + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * (EST_SOAK_STEP_COPIES * copy_s + 0.05)
                    if soak else 0.0)]

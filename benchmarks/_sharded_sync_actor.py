@@ -8,6 +8,7 @@ region each engine wants; the last step of a row compares every byte (:func:`_sh
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -87,6 +88,18 @@ class _IoClock:
         return _union(spans), _union(control), _union(spans + control)
 
 
+_CLOCK: Optional[_IoClock] = None
+
+
+def io_clock() -> _IoClock:
+    """This process's one _IoClock (it wraps rdt's modules: a second would wrap them again, when rows share the
+    actors)."""
+    global _CLOCK
+    if _CLOCK is None:
+        _CLOCK = _IoClock()
+    return _CLOCK
+
+
 def _union(spans: List[Tuple[float, float]]) -> float:
     """Seconds covered by the intervals together."""
     total, end = 0.0, float("-inf")
@@ -101,6 +114,10 @@ class ShardedActor:
     """Trainer rank or engine rank of the sharded-sync suite (see the module docstring)."""
 
     def __init__(self) -> None:
+        self._empty()
+
+    def _empty(self) -> None:
+        """Every field at its value before a row's set-up."""
         self.rank = -1
         self.step = 0
         self.shards: Dict[str, torch.Tensor] = {}
@@ -147,8 +164,22 @@ class ShardedActor:
             self.loader = rdt.WeightLoader()
             for name, _, regions in wants:
                 self.loader.want(self.targets[name], list(regions), name=name)
-            self.io = _IoClock()
+            self.io = io_clock()
+            self.io.take()
         return {"pid": os.getpid(), "target_bytes": sum(t.numel() * 2 for t in self.targets.values())}
+
+    def release(self, pool_bytes: int) -> Dict[str, int]:
+        """Between two rows that share this actor: drop everything the last row held (shards, whole model, targets,
+        loader, scratch, the soak's state), rdt's idle reuse pools (emptied, then ``pool_bytes`` again), collect and
+        trim glibc's freed heap, so that the next row's set-up and memory step start from an idle process. The
+        groups stay (the rows' groups coexist: the same ranks on the same torch default group). Returns
+        read_memory() after."""
+        self._empty()
+        rdt.configure(pool_bytes=0)
+        rdt.configure(pool_bytes=pool_bytes)
+        gc.collect()
+        _malloc_trim()
+        return read_memory()
 
     def configure(self, **kwargs: Any) -> None:
         """rdt.configure in this actor (pool sizes)."""

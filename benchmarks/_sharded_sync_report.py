@@ -216,6 +216,20 @@ def _model(rows: List[Mapping[str, Any]]) -> str:
             f"ranks -> {r['engines']} engines x TP {r['tp']}")
 
 
+def actors_note(rows: List[Mapping[str, Any]]) -> str:
+    """How the rows that ran got their actors: '' when each had fresh ones (the full matrix), else a line saying
+    which rows shared one set and that each row's state was freed before the next one's set-up."""
+    ran = [r for r in _rows(rows).values() if r.get("actors")]
+    shared = [r["impl"] for r in ran if r["actors"] == "shared"]
+    if not shared:
+        return ""
+    fresh = [r["impl"] for r in ran if r["actors"] != "shared"]
+    return (f"actors: {', '.join(shared)} ran on one shared set of 8 actors, in that order (each row's tensors, "
+            "loader and rdt pools freed and the heap trimmed before the next row's set-up; the Ray groups formed "
+            "once and kept)"
+            + (f"; fresh actors: {', '.join(fresh)}" if fresh else ""))
+
+
 def format_sharded_sync(rows: List[Mapping[str, Any]]) -> str:
     """The stdout table; the rows not selected named on one line."""
     by = _rows(rows)
@@ -235,7 +249,8 @@ def format_sharded_sync(rows: List[Mapping[str, Any]]) -> str:
             out.append(f"{impl:<26}{'-':<28}{str(r['error'])[:120]}")
     if unselected:
         out.append(f"not selected (--sharded-sync-rows; --full runs every row): {', '.join(unselected)}")
-    return "\n".join(out + ["", *SCHEMES])
+    note = actors_note(rows)
+    return "\n".join(out + ([note] if note else []) + ["", *SCHEMES])
 
 
 def sharded_sync_markdown(rows: List[Mapping[str, Any]], targets: List[Mapping[str, Any]]) -> str:
@@ -247,6 +262,9 @@ def sharded_sync_markdown(rows: List[Mapping[str, Any]], targets: List[Mapping[s
     for impl, r in by.items():
         cells = _columns(r, hand) if _ok(r) else [f"not run: {r['error']}"] + [""] * (len(HEAD) - 1)
         out.append(f"| {impl} | {r.get('mechanism', '-') if _ok(r) else '-'} | " + " | ".join(cells) + " |")
+    note = actors_note(rows)
+    if note:
+        out += ["", note[0].upper() + note[1:] + "."]
     out += ["", "| target | needed | value | status |", "|---|---|---|---|"]
     for t in targets:
         if not str(t["target"]).startswith(SUITE):

@@ -48,6 +48,9 @@ from ._report import (check_targets, compare, format_markdown, format_table, for
                       write_png)
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+# For the time-left estimate: the actors' and Ray's shutdown and the report (tables, Markdown, two plots) after the
+# last case, in the plan's reference seconds (6.9 s in the quiet default run of 2026-11-29 14:20, at pace ~1.2)
+EST_TAIL_S = 6.0
 P2P_WORLD_SIZE = 2
 
 Suite = Callable[[BenchContext], List[Dict[str, Any]]]
@@ -139,6 +142,7 @@ class Preset:
     weight_sync_cases: Optional[Tuple[str, ...]] = None
     weight_sync_steps: Optional[int] = None
     sharded_sync_calibrate: bool = True
+    sharded_sync_shared: bool = False
     about: str = ""  # what it covers, for the log and the report
 
 
@@ -157,15 +161,18 @@ DEFAULT = Preset(
     weight_sync_cases=tuple(c.impl for c in WEIGHT_SYNC_CASES if c.consume != "copy_" or c.impl == "ray-rdt-gloo"),
     weight_sync_steps=3,
     sharded_sync_calibrate=False,
+    sharded_sync_shared=True,
     about="p2p against ray.util.collective at 4 KiB and 128 MiB (rdt's gloo, nixl, ucx interleaved with it); one "
           "object round trip per transport at 4 KiB and 128 MiB, with peak memory; weight sync of Qwen2.5-0.5B's "
           "shapes at scale 0.25 (247 MB), whole to 1 and 4 workers (Ray's RDT, the hand-written broadcast, rdt "
           "into= per transport, with worker memory) and sharded over shm (4 trainer ranks -> 2 engines x TP 2, "
-          "against the hand-written broadcast and Ray's RDT, with trainer memory)")
+          "against the hand-written broadcast and Ray's RDT, the three rows on one shared set of 8 actors, with "
+          "trainer memory)")
 FULL_ONLY = ("allreduce; p2p at 1 MiB and 16 MiB and the baselines run as their own cases (torch.distributed, the "
              "object store); objects rdt-gloo-noinline and more round trips; weight sync at full scale with 2 "
              "workers, the object store and the copy_ rows; sharded-sync's whole-model rows, nixl, gloo and auto, "
-             "the replicas row, the 200-step verify soak and the range-cost calibration")
+             "the replicas row, the 200-step verify soak and the range-cost calibration, each sharded-sync row in "
+             "fresh actors")
 
 
 def pick_preset(args: argparse.Namespace) -> Tuple[Optional[Preset], str]:
@@ -197,7 +204,8 @@ def make_config(args: argparse.Namespace, preset: Preset) -> BenchConfig:
         object_rounds=preset.object_rounds,
         weight_sync_cases=list(preset.weight_sync_cases) if preset.weight_sync_cases is not None else None,
         weight_sync_steps=None if args.iters else preset.weight_sync_steps,
-        sharded_sync_calibrate=preset.sharded_sync_calibrate)
+        sharded_sync_calibrate=preset.sharded_sync_calibrate,
+        sharded_sync_shared=preset.sharded_sync_shared)
 
 
 def full_plan_s(args: argparse.Namespace) -> float:
@@ -353,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         if prior > 1:
             log(f"rdt-bench: load average {load0:.1f} on {os.cpu_count()} cores before the run: the time-left "
                 f"estimate starts at {prior:.1f}x the plan's reference times")
-        with Progress(run_plan(ctx, suites), prior_pace=prior) as ctx.progress:
+        with Progress(run_plan(ctx, suites), prior_pace=prior, tail_s=EST_TAIL_S) as ctx.progress:
             progress = ctx.progress
             for i, name in enumerate(suites):
                 ctx.progress.start_suite(name)
@@ -364,11 +372,13 @@ def run(args: argparse.Namespace) -> int:
                 meta["elapsed_s"] = round(time.monotonic() - started, 1)
                 write_json(json_path, meta, rows)  # partial results survive a later crash
     finally:
+        suites_done = time.monotonic()
         pool.shutdown()
         import ray
 
         ray.shutdown()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["shutdown_s"] = round(time.monotonic() - suites_done, 1)
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["targets"] = check_targets(rows) + object_targets(rows) + (
         weight_sync_targets(rows) if WEIGHT_SYNC in suites else []) + sharded_sync_targets(rows) + \
@@ -411,10 +421,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nJSON: {json_path}\nMarkdown: {json_path.with_suffix('.md')}" + (f"\nPNG:  {png}" if png else "")
           + (f"\nPNG:  {ws_png}" if ws_png else "") + f"\nelapsed: {meta['elapsed_s']} s")
     if progress is not None:  # how good the time-left estimate was, over the whole run (report included)
+        progress.finish()
         meta["progress"] = progress.record()
         meta["progress"]["check"] = estimate_check(meta["progress"], progress.elapsed())
+        meta["report_s"] = round(time.monotonic() - started - meta["elapsed_s"], 1)
         meta["elapsed_s"] = round(time.monotonic() - started, 1)
         write_json(json_path, meta, rows)
+        log(f"rdt-bench: outside the suites: Ray's start and the first actors {meta['progress_started_s']:.1f} s, "
+            f"the actors' and Ray's shutdown {meta['shutdown_s']:.1f} s, the report {meta['report_s']:.1f} s")
         log("rdt-bench: the time-left estimate / what remained, at " + ", ".join(
             f"{c['at']:.0%}: {c['ratio']:.2f} ({fmt_duration(c['estimate_s'])} / {fmt_duration(c['remaining_s'])})"
             for c in meta["progress"]["check"]))
@@ -438,6 +452,8 @@ def _trims(config: BenchConfig) -> Dict[str, Any]:
         out["sharded_sync_rows"] = config.sharded_sync_rows
     if not config.sharded_sync_calibrate:
         out["sharded_sync_calibrate"] = False
+    if config.sharded_sync_shared:
+        out["sharded_sync_shared"] = True
     return out
 
 

@@ -3,6 +3,7 @@ real paths; ``--compare`` reads two result files without Ray."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -236,6 +237,7 @@ def test_default_run_is_short_and_full_is_the_matrix() -> None:
     assert config.weight_sync_workers == [1, 4] and not config.p2p_alone
     assert config.sharded_sync_rows == ["hand-written", "ray-rdt", "rdt-sharded-shm"]
     assert not config.sharded_sync_calibrate  # the transports' declared range costs, as a user gets them
+    assert config.sharded_sync_shared  # the three sharded rows on one set of 8 actors, started once
     assert "ray-rdt-gloo" in config.object_impls and "rdt-gloo-noinline" not in config.object_impls
     assert {"ray-rdt-gloo", "ray.collective-broadcast", "rdt-shm+into"} <= set(config.weight_sync_cases)
     assert not {"ray-objstore", "rdt-shm+copy"} & set(config.weight_sync_cases)
@@ -247,6 +249,7 @@ def test_default_run_is_short_and_full_is_the_matrix() -> None:
     assert config.weight_sync_workers == [1, 2, 4] and config.world_sizes == [2, 4] and config.p2p_alone
     assert config.sharded_sync_rows is config.object_impls is config.weight_sync_cases is None
     assert config.sharded_sync_calibrate and config.object_rounds == 1.0 and config.weight_sync_steps is None
+    assert not config.sharded_sync_shared  # every sharded-sync row in fresh actors
     assert sum(full.values()) > 5 * sum(plan.values())
 
     preset, config, only = _preset_plan("--suites", "weight-sync")  # one suite: in full
@@ -305,7 +308,6 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     exactly its targets' bytes over exact runs, and every byte of every engine's targets was compared with the
     trainers' values; the verify soak ran its 20 steps on that row's actors with no torn or wrong read. rdt-bench
     runs the suite by default and counts its cases in the progress report."""
-    import io
 
     from benchmarks._collectives import BenchConfig, BenchContext
     from benchmarks._progress import Progress
@@ -362,6 +364,42 @@ def test_sharded_sync_suite_tiny(ray_cluster) -> None:
     assert "hand-written: one ray.util.collective" in format_sharded_sync(rows)  # the schemes are described
     md = sharded_sync_markdown(rows, list(got.values()))
     assert "### sharded-sync" in md and all(name in md for name in got)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_sync_rows_share_actors(ray_cluster) -> None:
+    """The default run's sharded-sync rows (hand-written, Ray's RDT, rdt sharded over shm) on one shared set of 8
+    actors: the same processes serve all three, the two Ray Gloo groups coexist in them, each row starts from its
+    own step 0 (every byte of every engine's targets compared), and the table says the actors were shared."""
+    from benchmarks._collectives import BenchConfig, BenchContext
+    from benchmarks._progress import Progress
+    from benchmarks._sharded_sync import sharded_sync_suite
+    from benchmarks._sharded_sync_model import engine_wants, target_bytes
+    from benchmarks._sharded_sync_report import format_sharded_sync
+    from benchmarks._weight_sync import model_shape
+    from benchmarks.rdt_bench import DEFAULT, run_plan
+
+    run = list(DEFAULT.sharded_sync_rows or ())
+    assert DEFAULT.sharded_sync_shared and run == ["hand-written", "ray-rdt", "rdt-sharded-shm"]
+    config = BenchConfig(sizes=[], world_sizes=[], backends=[], iters=1, weight_sync_scale=0.004,
+                         sharded_sync_rows=run, sharded_sync_calibrate=False, sharded_sync_shared=True)
+    ctx = BenchContext(config=config, pool=None)  # type: ignore[arg-type]
+    with Progress(run_plan(ctx, ["sharded-sync"]), stream=io.StringIO(), tty=False) as ctx.progress:
+        ctx.progress.start_suite("sharded-sync")
+        rows = sharded_sync_suite(ctx)
+    shape = model_shape(0.004)
+    targets = [target_bytes(engine_wants(shape, 2, i % 2)) for i in range(4)]
+    by = {r["impl"]: r for r in rows}
+    for i, impl in enumerate(run):
+        r = by[impl]
+        assert "error" not in r, r
+        assert r["actors"] == "shared" and r["actors_rows_before"] == i, r
+        assert r["bytes_checked"] == sum(targets) and r["seconds"] > 0, r
+        assert r["actor_pids"] == by[run[0]]["actor_pids"] and len(set(r["actor_pids"])) == 8, r
+    assert by["hand-written"]["mechanism"] == "gloo (ray.util.collective)"
+    assert by["ray-rdt"]["mechanism"] == "ray-rdt (gloo)"
+    assert by["rdt-sharded-shm"]["planned_steps"] == 4, by["rdt-sharded-shm"]  # its own loaders, planned once
+    assert "ran on one shared set of 8 actors" in format_sharded_sync(rows)
 
 
 def _check_labels(rows: List[Dict[str, Any]]) -> None:

@@ -179,3 +179,33 @@ def test_prior_pace_from_the_load_average() -> None:
     clock.t += 10
     p.done("a")  # as estimated: the pace moves from 4 towards 1
     assert abs(p.pace() - (10 + 4 * PRIOR_S) / (10 + PRIOR_S)) < 1e-9
+
+
+def test_the_tail_after_the_last_case_counts_until_finish() -> None:
+    """tail_s (rdt-bench's shutdown and report) is part of the time left from the start; once every case is done
+    it counts down as the running part, and finish() ends it with one last line saying 0s left, which the record
+    keeps for estimate_at()."""
+    from benchmarks._progress import estimate_at
+
+    clock, out = Clock(), io.StringIO()
+    p = Progress(_plan(), stream=out, tty=False, clock=clock, tail_s=20.0)
+    assert p.time_left() == 120.0  # 100 of cases, 20 of tail
+    p.start_suite("p2p")
+    clock.t += 40
+    p.done("a", "b")
+    p.finish_suite()
+    p.start_suite("objects")
+    clock.t += 60
+    p.done("c")
+    p.finish_suite()  # pace 1: the 20 s of tail are what is left
+    assert abs(p.time_left() - 20.0) < 1e-9
+    assert LINE.match(_lines(out)[-1]).group(9) == "20s"
+    clock.t += 5
+    assert abs(p.time_left() - 15.0) < 1e-9  # counted down while it runs
+    p.finish()
+    assert p.time_left() == 0.0 and LINE.match(_lines(out)[-1]).group(9) == "0s"
+    rec = p.record()
+    assert rec["tail_s"] == 20.0 and estimate_at(rec, 105.0) == 0.0
+    assert abs(estimate_at(rec, 102.0) - 18.0) < 1e-9
+    p.finish()  # twice: no second line
+    assert len([ln for ln in _lines(out) if ln.endswith("about 0s left")]) == 1
