@@ -263,7 +263,8 @@ def sharded_delta_suite(ctx: Any) -> List[Dict[str, Any]]:
             log(f"{SUITE} {transport} ERROR {rows[-1]['error']}")
             continue
         try:
-            ray.get([a.memory_start.remote() for a in world.everyone], timeout=60)
+            # peak RSS only, kept by the kernel: no sampling thread beside the timed steps
+            ray.get([a.memory_start.remote(uss=False) for a in world.everyone], timeout=60)
             for name, how, density in ROWS:
                 try:
                     rows.append(_row(world, shape, name, how, density))

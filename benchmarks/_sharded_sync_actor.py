@@ -392,10 +392,11 @@ class ShardedActor:
         return n
 
     # ------------------------------------------------------------------ memory
-    def memory_start(self) -> Dict[str, int]:
-        """Trim glibc's freed heap, then sample RSS and private memory (USS) until memory_stop."""
+    def memory_start(self, uss: bool = True) -> Dict[str, int]:
+        """Trim glibc's freed heap, then keep peak RSS and (``uss``) sample private memory (USS) until
+        memory_stop."""
         _malloc_trim()
-        self.sampler = MemorySampler()
+        self.sampler = MemorySampler(uss=uss)
         return read_memory()
 
     def memory_stop(self) -> Dict[str, int]:
