@@ -39,6 +39,7 @@ BLOCK_UNIT = 32  # elements per unit of the "changed blocks" encoding
 WHOLE_AT = 0.3
 INDEX_BYTES = 4
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 MAX_INDEX = (1 << 31) - 1
 
 
@@ -89,20 +90,28 @@ def _load_delta(base: int, version: int, lineage: bytes, meta_state: Optional[di
 # ------------------------------------------------------------------------------------------- the producer
 @dataclass
 class Encoded:
-    """:func:`encode`'s result: the records (None: none) and the per-parameter columns of a :class:`Delta`."""
+    """:func:`encode`'s result: the records (None: none), the per-parameter columns of a :class:`Delta`, and per
+    parameter the units its records hold (ascending unit indices and the unit in elements; None: no records)."""
 
     records: Optional[torch.Tensor]
     columns: Tuple[np.ndarray, ...]
-    changed_positions: List[Optional[np.ndarray]]  # per parameter: element positions changed (None: none/whole)
+    changed_units: List[Optional[Tuple[np.ndarray, int]]]
+
+    @property
+    def changed_positions(self) -> List[Optional[np.ndarray]]:
+        """Per parameter the element positions encoded one by one (None: none, blocks, or whole)."""
+        return [None if u is None or u[1] != 1 else u[0] for u in self.changed_units]
 
 
-def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Encoded:
+def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor], update: bool = False) -> Encoded:
     """Compare each tensor with its base bitwise and encode what changed (see the module docstring). Both are
-    contiguous CPU tensors of equal shape and dtype, in the publication's order."""
+    contiguous CPU tensors of equal shape and dtype, in the publication's order. Each parameter is compared in
+    one pass, a cache-sized chunk at a time (:func:`_scan`); ``update`` brings the base to the current bytes in
+    the same pass (the producer's base copy: a caller that fails to publish the result must drop it)."""
     kinds, units, counts, rec_off, changed, elements, dir_at = ([] for _ in range(7))
     dirs: List[np.ndarray] = []
     parts: List[np.ndarray] = []
-    positions: List[Optional[np.ndarray]] = []
+    changed_units: List[Optional[Tuple[np.ndarray, int]]] = []
     at = 0
     d_at = 0
     for cur, old in zip(current, base):
@@ -111,52 +120,143 @@ def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Enc
         dt = int_dtype(s)
         elements.append(e)
         dir_at.append(d_at)
+        rec_off.append(at)
         if dt is None or e > MAX_INDEX or e == 0:
-            kinds.append(WHOLE if e else UNCHANGED), units.append(1), counts.append(0), rec_off.append(at)
-            changed.append(e), positions.append(None)
+            kinds.append(WHOLE if e else UNCHANGED), units.append(1), counts.append(0), changed.append(e)
+            changed_units.append(None)
+            if update and e:
+                old.copy_(cur)
             continue
         a = cur.reshape(-1).view(dt).numpy()
-        b = old.reshape(-1).view(dt).numpy()
-        pos = np.flatnonzero(a != b)
-        c = len(pos)
+        scan = _Scan(a, old.reshape(-1).view(dt).numpy(), update)
+        c = scan.count
         changed.append(c)
-        if c == 0:
-            kinds.append(UNCHANGED), units.append(1), counts.append(0), rec_off.append(at), positions.append(None)
-            continue
-        unit, idx = 1, pos
-        size = c * (INDEX_BYTES + s)
-        if e % BLOCK_UNIT == 0 and c > e // BLOCK_UNIT // 8:  # blocks can only win when some share a block
-            pb = pos // BLOCK_UNIT
-            blocks = pb[np.concatenate(([True], pb[1:] != pb[:-1]))]
-            bsize = len(blocks) * (INDEX_BYTES + BLOCK_UNIT * s)
+        unit, size = 1, c * (INDEX_BYTES + s)
+        if c and e % BLOCK_UNIT == 0 and c > e // BLOCK_UNIT // 8:  # blocks can only win when some share a block
+            bsize = scan.blocks() * (INDEX_BYTES + BLOCK_UNIT * s)
             if bsize < size:
-                unit, idx, size = BLOCK_UNIT, blocks, bsize
-        if size > WHOLE_AT * e * s:
-            kinds.append(WHOLE), units.append(1), counts.append(0), rec_off.append(at), positions.append(pos)
+                unit, size = BLOCK_UNIT, bsize
+        if c == 0 or size > WHOLE_AT * e * s:
+            scan.finish()
+            kinds.append(WHOLE if c else UNCHANGED), units.append(1), counts.append(0), changed_units.append(None)
             continue
-        rec, dir_ = _pack(a, idx, unit, s, e)
-        n = len(idx)
+        idx, vals = scan.units(unit)
+        rec, dir_ = _pack(idx, vals, unit, s, e)
         dirs.append(dir_)
         d_at += len(dir_)
-        kinds.append(RECORDS), units.append(unit), counts.append(n), rec_off.append(at), positions.append(pos)
-        parts.append(rec.reshape(-1))
+        kinds.append(RECORDS), units.append(unit), counts.append(len(idx)), changed_units.append((idx, unit))
+        parts.append(rec)
         at += rec.size
     dir_at.append(d_at)
-    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, positions)
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, changed_units)
 
 
-def _pack(a: np.ndarray, idx: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Records of units ``idx`` (ascending) of ``a`` (a parameter's elements as integers), and its directory."""
-    n = len(idx)
-    rec = np.empty((n, INDEX_BYTES + unit * s), np.uint8)
-    rec[:, :INDEX_BYTES] = idx.astype("<i4").view(np.uint8).reshape(n, INDEX_BYTES)
-    if unit == 1:
-        rec[:, INDEX_BYTES:] = a[idx].view(np.uint8).reshape(n, s)
-    else:
-        rec[:, INDEX_BYTES:] = a.reshape(-1, unit)[idx].view(np.uint8).reshape(n, unit * s)
+CHUNK = 1 << 17  # elements compared at a time (a multiple of BLOCK_UNIT: a block never spans two chunks)
+DENSE = 8  # a chunk with more than 1/DENSE of its elements changed is listed only if its parameter needs it
+
+
+class _Scan:
+    """One parameter's comparison (``a`` current, ``b`` base: flat integer views), made a chunk at a time while the
+    chunk is in cache: the changed positions and values of each sparse chunk (and, with ``update``, the base
+    brought to them at once); the dense chunks are only counted, and listed, or copied to the base, later as the
+    encoding needs (so that a parameter published whole is never listed)."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, update: bool) -> None:
+        self.a, self.b, self.update = a, b, update
+        self.pos: List[np.ndarray] = []  # per chunk in order: changed positions (None: a dense chunk, not listed)
+        self.vals: List[Optional[np.ndarray]] = []
+        self.dense: List[Tuple[int, int]] = []
+        self.count = 0
+        mask = np.empty(min(CHUNK, len(a)), bool)
+        for lo in range(0, len(a), CHUNK):
+            hi = min(lo + CHUNK, len(a))
+            m = mask[:hi - lo]
+            ac, bc = a[lo:hi], b[lo:hi]
+            np.not_equal(ac, bc, out=m)
+            c = int(np.count_nonzero(m))
+            if not c:
+                continue
+            self.count += c
+            if c * DENSE > hi - lo:
+                self.dense.append((lo, hi))
+                self.pos.append(np.empty(0, np.int64)), self.vals.append(None)  # listed later if needed
+                continue
+            p = np.flatnonzero(m)
+            v = ac[p]
+            if update:
+                bc[p] = v
+            p += lo
+            self.pos.append(p), self.vals.append(v)
+
+    def _listed(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Every changed position and its value, ascending (the dense chunks listed now, before the base moves)."""
+        if self.dense:
+            k = 0
+            for i, v in enumerate(self.vals):
+                if v is None:
+                    lo, hi = self.dense[k]
+                    k += 1
+                    p = np.flatnonzero(self.a[lo:hi] != self.b[lo:hi])
+                    self.vals[i] = self.a[lo:hi][p]
+                    self.pos[i] = p + lo
+        pos = np.concatenate(self.pos) if self.pos else np.zeros(0, np.int64)
+        vals = np.concatenate(self.vals) if self.vals else self.a[:0]
+        return pos, vals
+
+    def blocks(self) -> int:
+        """The BLOCK_UNIT element blocks holding a change."""
+        return sum(len(q) for q in self._blocks())
+
+    def _blocks(self) -> List[np.ndarray]:
+        """Per chunk holding a change, in order: the indices of its blocks holding one."""
+        out = []
+        dense = iter(self.dense)
+        for p, v in zip(self.pos, self.vals):
+            if v is None:
+                lo, hi = next(dense)
+                out.append(np.flatnonzero(_changed_blocks(self.a[lo:hi] != self.b[lo:hi])) + lo // BLOCK_UNIT)
+            else:
+                q = p // BLOCK_UNIT
+                out.append(q[np.concatenate(([True], q[1:] != q[:-1]))])
+        return out
+
+    def units(self, unit: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The changed units (indices ascending; ``unit`` elements: 1 or BLOCK_UNIT) and their values, the base then
+        brought to the current bytes."""
+        if unit == 1:
+            pos, vals = self._listed()
+        else:
+            pos = np.concatenate(self._blocks())
+            vals = self.a.reshape(-1, unit)[pos]
+        self.finish()
+        return pos, vals
+
+    def finish(self) -> None:
+        """With ``update``: copy the dense chunks to the base (the sparse ones are brought already)."""
+        if self.update:
+            for lo, hi in self.dense:
+                self.b[lo:hi] = self.a[lo:hi]
+        self.dense = []
+
+
+def _changed_blocks(mask: np.ndarray) -> np.ndarray:
+    """Per BLOCK_UNIT elements whether any changed, from the elements' mask (its bytes OR'ed as 8-byte words)."""
+    words = mask.view(np.uint64).reshape(-1, BLOCK_UNIT // 8)
+    acc = words[:, 0].copy()
+    for j in range(1, words.shape[1]):
+        acc |= words[:, j]
+    return acc != 0
+
+
+def _pack(idx: np.ndarray, vals: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Records of units ``idx`` (ascending) holding ``vals`` (a parameter's elements as integers), as bytes, and
+    its directory (records before each DIR_BLOCK elements)."""
+    rec = np.empty(len(idx), np.dtype([("i", "<i4"), ("v", _NP_INT[s], (unit,))]))
+    rec["i"] = idx
+    rec["v"] = vals.reshape(len(idx), unit)
     nblocks = -(-e // DIR_BLOCK)
-    per = np.bincount(idx * unit // DIR_BLOCK, minlength=nblocks)
-    return rec, np.concatenate(([0], np.cumsum(per))).astype(np.int64)
+    bounds = -(-np.arange(nblocks + 1, dtype=np.int64) * DIR_BLOCK // unit)  # first unit at or past each boundary
+    return rec.view(np.uint8), np.searchsorted(idx, bounds).astype(np.int64)
 
 
 def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Optional[np.ndarray]]) -> Encoded:
@@ -180,39 +280,26 @@ def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Option
         if not len(pos):
             kinds.append(UNCHANGED), counts.append(0), changed.append(0)
             continue
-        rec, dir_ = _pack(cur.reshape(-1).view(dt).numpy(), pos, 1, s, e)
+        rec, dir_ = _pack(pos, cur.reshape(-1).view(dt).numpy()[pos], 1, s, e)
         kinds.append(RECORDS), counts.append(len(pos)), changed.append(len(pos))
         dirs.append(dir_)
         d_at += len(dir_)
-        parts.append(rec.reshape(-1))
+        parts.append(rec)
         at += rec.size
     dir_at.append(d_at)
-    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, list(positions))
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs,
+                    [None if p is None else (p, 1) for p in positions])
 
 
 def _encoded(parts: List[np.ndarray], cols: Tuple[List[int], ...], dirs: List[np.ndarray],
-             positions: List[Optional[np.ndarray]]) -> Encoded:
+             changed_units: List[Optional[Tuple[np.ndarray, int]]]) -> Encoded:
     """An encoding from its per-parameter lists: the records concatenated, the columns as typed arrays."""
     kinds, units, counts, rec_off, changed, elements, dir_at = cols
     records = torch.from_numpy(np.concatenate(parts)) if parts else None
     columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
                np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
                np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
-    return Encoded(records, columns, positions)
-
-
-def update_base(base: Sequence[torch.Tensor], current: Sequence[torch.Tensor], enc: Encoded) -> None:
-    """Bring the base copy to the bytes just published: the changed elements, or whole tensors."""
-    kinds = enc.columns[0]
-    for b, c, kind, pos in zip(base, current, kinds.tolist(), enc.changed_positions):
-        if kind == UNCHANGED:
-            continue
-        dt = int_dtype(c.element_size())
-        if pos is None or dt is None or len(pos) * 8 > c.numel():
-            b.copy_(c)
-        else:
-            bb, cc = b.reshape(-1).view(dt).numpy(), c.reshape(-1).view(dt).numpy()
-            bb[pos] = cc[pos]
+    return Encoded(records, columns, changed_units)
 
 
 @dataclass
@@ -450,8 +537,6 @@ def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     first = np.flatnonzero(new)
     return st[first].astype(np.int64), np.maximum.reduceat(en, first).astype(np.int64)
 
-
-_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 def apply(read: DeltaRead, spans: Spans, keep: Sequence[torch.Tensor], itemsizes: Sequence[int],
