@@ -359,32 +359,54 @@ def new_lineage() -> bytes:
 @dataclass
 class LeafRuns:
     """One parameter's runs in a rank's plan, in elements: start and end in its local shard, target, first
-    destination element."""
+    destination element; and the same per target (``layers``: target, starts, ends, first destinations, each
+    ascending and disjoint)."""
 
     e0: np.ndarray
     e1: np.ndarray
     target: np.ndarray
     dst: np.ndarray
     rows: slice  # its runs' rows in the rank's Runs arrays
+    layers: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def wanted(self) -> int:
         return int((self.e1 - self.e0).sum())
 
 
-def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
-    """The rank's runs (sorted by leaf, then source) split per leaf, in elements."""
+@dataclass
+class RankRuns:
+    """A rank's runs as delta loads read them, made once per plan: per parameter (:class:`LeafRuns`), and per run
+    (sorted by parameter, then source) its parameter and first and last element."""
+
+    leaves: Dict[int, LeafRuns]
+    leaf: np.ndarray
+    e0: np.ndarray
+    e1: np.ndarray
+
+
+def rank_runs(runs: Runs, itemsizes: Sequence[int]) -> RankRuns:
+    """The rank's runs (sorted by leaf, then source) split per leaf and per target, in elements."""
     out: Dict[int, LeafRuns] = {}
     leaf = runs.leaf
-    if not len(leaf):
-        return out
+    size = np.asarray(itemsizes, np.int64)[leaf] if len(leaf) else np.zeros(0, np.int64)
+    e0, e1, dst = runs.src // size, (runs.src + runs.n) // size, runs.dst // size
     cut = np.flatnonzero(np.diff(leaf)) + 1
     for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(leaf)])).tolist()):
-        p = int(leaf[lo])
-        s = itemsizes[p]
-        out[p] = LeafRuns(runs.src[lo:hi] // s, (runs.src[lo:hi] + runs.n[lo:hi]) // s, runs.target[lo:hi],
-                          runs.dst[lo:hi] // s, slice(lo, hi))
-    return out
+        if hi == lo:
+            continue
+        lr = LeafRuns(e0[lo:hi], e1[lo:hi], runs.target[lo:hi], dst[lo:hi], slice(lo, hi))
+        targets = np.unique(lr.target)
+        for t in targets.tolist():
+            m = lr.target == t if len(targets) > 1 else slice(None)
+            lr.layers.append((t, lr.e0[m], lr.e1[m], lr.dst[m]))
+        out[int(leaf[lo])] = lr
+    return RankRuns(out, leaf, e0, e1)
+
+
+def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
+    """The rank's runs (sorted by leaf, then source) split per leaf, in elements."""
+    return rank_runs(runs, itemsizes).leaves
 
 
 @dataclass
@@ -425,185 +447,111 @@ class DeltaRead:
     staging: torch.Tensor
     leaves: Dict[int, LeafRuns]
     record_bytes: int
-    layers: List["Layer"] = field(default_factory=list)
 
 
-@dataclass
-class Layer:
-    """A rank's runs in elements, keyed (leaf << KEY_SHIFT) + element, disjoint and ascending: where a source
-    element lands. A parameter landing in several targets puts each target's runs in its own layer."""
-
-    start: np.ndarray
-    length: np.ndarray
-    target: np.ndarray
-    dst: np.ndarray
-
-
-KEY_SHIFT = 40
-
-
-def _layers(runs: Runs, itemsizes: Sequence[int]) -> List[Layer]:
-    if not len(runs.n):
-        return []
-    size = np.asarray(itemsizes, np.int64)[runs.leaf]
-    start = (runs.leaf << KEY_SHIFT) + runs.src // size
-    end = start + runs.n // size
-    dst = runs.dst // size
-    # the k-th distinct target of a leaf goes to layer k (runs are sorted by leaf, then source)
-    pair = runs.leaf * (1 << 32) + runs.target
-    order = np.lexsort((runs.target, runs.leaf))
-    sp = pair[order]
-    firsts = np.concatenate(([True], sp[1:] != sp[:-1]))
-    leaf_sorted = runs.leaf[order]
-    newleaf = np.concatenate(([True], leaf_sorted[1:] != leaf_sorted[:-1]))
-    rank_in_leaf = np.cumsum(firsts) - 1 - np.maximum.accumulate(np.where(newleaf, np.cumsum(firsts) - 1, 0))
-    layer = np.empty(len(order), np.int64)
-    layer[order] = rank_in_leaf
-    out = []
-    for k in range(int(layer.max()) + 1):
-        m = layer == k
-        o = np.argsort(start[m], kind="stable")
-        out.append(Layer(*(np.ascontiguousarray(a[m][o]) for a in (start, end - start, runs.target, dst))))
-    return out
-
-
-def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int]) -> DeltaRead:
+def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int],
+              made: Optional[RankRuns] = None) -> DeltaRead:
     """Which records of each delta of ``chain`` (oldest first) this rank's ``runs`` meet, and which parameters are
     read whole: one published whole in some delta of the chain, or whose records would take more than WHOLE_AT of
-    its wanted bytes."""
-    leaves = leaf_runs(runs, itemsizes)
-    need: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}  # leaf -> per delta (record starts, ends)
-    whole: List[int] = []
-    for p, lr in leaves.items():
-        s = itemsizes[p]
-        if any(int(d.kinds[p]) == WHOLE for d in chain) or int_dtype(s) is None:
-            whole.append(p)
-            continue
-        spans = []
-        size = 0
-        for d in chain:
-            if int(d.kinds[p]) != RECORDS:
-                spans.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
-                continue
-            dirs = d.dirs[int(d.dir_at[p]):int(d.dir_at[p + 1])]
-            st = dirs[lr.e0 // DIR_BLOCK]
-            en = dirs[(lr.e1 - 1) // DIR_BLOCK + 1]
-            st, en = _merge_spans(st, en)
-            spans.append((st, en))
-            size += int((en - st).sum()) * d.record_size(p, s)
-        if size > WHOLE_AT * lr.wanted * s:
-            whole.append(p)
-        else:
-            need[p] = spans
+    its wanted bytes. Whole-rank array operations per delta (``made``: :func:`rank_runs` of ``runs``, kept)."""
+    rr = made if made is not None else rank_runs(runs, itemsizes)
+    leaf, e0, e1 = rr.leaf, rr.e0, rr.e1
+    nleaves = len(itemsizes)
+    size = np.asarray(itemsizes, np.int64)
+    wanted = np.bincount(leaf, weights=e1 - e0, minlength=nleaves) if len(leaf) else np.zeros(nleaves)
+    present = np.zeros(nleaves, bool)
+    present[leaf] = True
+    whole = present & np.array([int_dtype(s) is None for s in itemsizes], bool)
+    found = []  # per delta: (span leaf, start byte, end byte, record size per leaf)
+    record_bytes = np.zeros(nleaves)
+    for d in chain:
+        whole |= present & (d.kinds == WHOLE)
+        rec = (d.kinds[leaf] == RECORDS) & ~whole[leaf]
+        rl, a0, a1 = leaf[rec], e0[rec], e1[rec]
+        rsz = INDEX_BYTES + d.units.astype(np.int64) * size
+        base = d.dir_at[:-1][rl]
+        st, en = d.dirs[base + a0 // DIR_BLOCK], d.dirs[base + (a1 - 1) // DIR_BLOCK + 1]
+        keep = en > st
+        rl, st, en = rl[keep], st[keep], en[keep]
+        gst, gen = d.rec_off[rl] + st * rsz[rl], d.rec_off[rl] + en * rsz[rl]  # bytes of the records leaf
+        if len(rl) > 1:  # merge a parameter's spans where they overlap or touch
+            reach = np.maximum.accumulate(gen)
+            first = np.flatnonzero(np.concatenate(([True], (gst[1:] > reach[:-1]) | (rl[1:] != rl[:-1]))))
+            rl, gst, gen = rl[first], gst[first], np.maximum.reduceat(gen, first)
+        found.append((rl, gst, gen, rsz))
+        record_bytes += np.bincount(rl, weights=gen - gst, minlength=nleaves)
+    whole |= present & (record_bytes > WHOLE_AT * wanted * size)
     out: List[Spans] = []
     at = 0
-    for j, d in enumerate(chain):
-        cols: List[List[np.ndarray]] = [[], [], []]  # src, dst, n
-        shapes: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (unit, itemsize) -> [(leaf, records)]
-        for p, spans in need.items():
-            st, en = spans[j]
-            if len(st):
-                shapes.setdefault((int(d.units[p]), itemsizes[p]), []).append((p, int((en - st).sum())))
-        start = at
+    for d, (rl, gst, gen, rsz) in zip(chain, found):
+        keep = ~whole[rl]
+        rl, gst, gen = rl[keep], gst[keep], gen[keep]
+        if not len(rl):
+            continue
+        shape = d.units.astype(np.int64)[rl] * 16 + size[rl]  # spans grouped by record shape, in order within
+        order = np.argsort(shape, kind="stable")
+        rl, gst, n, shape = rl[order], gst[order], (gen - gst)[order], shape[order]
+        dst = at + np.cumsum(n) - n
         groups: List[Group] = []
-        for (unit, size), members in shapes.items():
-            rsz = INDEX_BYTES + unit * size
-            first = at
-            for p, _ in members:
-                st, en = need[p][j]
-                n = (en - st) * rsz
-                cols[0].append(int(d.rec_off[p]) + st * rsz)
-                cols[1].append(at + np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64))
-                cols[2].append(n)
-                at += int(n.sum())
-            groups.append(Group(first, (at - first) // rsz, unit, size, np.array([p for p, _ in members], np.int64),
-                                np.array([c for _, c in members], np.int64)))
-        if groups:
-            src, dst, n = (np.concatenate(c).astype(np.int64) for c in cols)
-            k = len(n)
-            out.append(Spans(d, Runs(np.zeros(k, np.int64), src, np.zeros(k, np.int64), dst, n), groups,
-                             at - start))
-    return DeltaRead(out, sorted(whole), torch.empty(at, dtype=torch.uint8), leaves, at, _layers(runs, itemsizes))
-
-
-def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Record spans [st, en) (starts ascending) merged where they overlap or touch; empty ones dropped."""
-    keep = en > st
-    st, en = st[keep], en[keep]
-    if len(st) < 2:
-        return st.astype(np.int64), en.astype(np.int64)
-    reach = np.maximum.accumulate(en)
-    new = np.concatenate(([True], st[1:] > reach[:-1]))
-    first = np.flatnonzero(new)
-    return st[first].astype(np.int64), np.maximum.reduceat(en, first).astype(np.int64)
-
+        cuts = np.flatnonzero(shape[1:] != shape[:-1]) + 1
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(rl)])).tolist()):
+            p = int(rl[lo])
+            r = int(rsz[p])
+            gl = rl[lo:hi]
+            leaves, first = np.unique(gl, return_index=True)
+            counts = np.add.reduceat(n[lo:hi], first) // r
+            groups.append(Group(int(dst[lo]), int(counts.sum()), int(d.units[p]), int(size[p]),
+                                leaves.astype(np.int64), counts.astype(np.int64)))
+        k = len(n)
+        out.append(Spans(d, Runs(np.zeros(k, np.int64), gst.astype(np.int64), np.zeros(k, np.int64),
+                                 dst.astype(np.int64), n.astype(np.int64)), groups, int(n.sum())))
+        at += int(n.sum())
+    return DeltaRead(out, np.flatnonzero(whole).tolist(), torch.empty(at, dtype=torch.uint8), rr.leaves, at)
 
 
 def apply(read: DeltaRead, spans: Spans, keep: Sequence[torch.Tensor], itemsizes: Sequence[int],
           changes: Optional[Dict[int, List[np.ndarray]]] = None) -> int:
     """Scatter one delta's records (landed in ``read.staging``) into the targets, narrowed to this rank's runs;
-    the elements written. ``changes`` (when given) collects, per target, the element positions written. A
-    parameter landing as one run (a column-parallel or vocabulary slice, a whole norm) is placed by an offset; the
-    others' records are placed all at once through the runs' table (numpy, one pass an operation)."""
+    the elements written. ``changes`` (when given) collects, per target, the element positions written. Per
+    parameter and target: its runs meet the records (both ascending) by a binary search of each run's ends among
+    the records, and the records inside them are written with one indexed assignment."""
     staging = read.staging.numpy()
     written = 0
-
-    def scatter(t: int, dst: np.ndarray, v: np.ndarray, dt: torch.dtype) -> None:
-        keep[t].reshape(-1).view(dt).scatter_(0, torch.from_numpy(dst), torch.from_numpy(np.ascontiguousarray(v)))
-        if changes is not None:
-            changes.setdefault(t, []).append(dst)
-
+    views: Dict[int, np.ndarray] = {}
     for g in spans.groups:
-        dt = int_dtype(g.itemsize)
         record = np.dtype([("i", "<i4"), ("v", _NP_INT[g.itemsize], (g.unit,))])
         rec = staging[g.at:g.at + g.count * record.itemsize].view(record)
         ends = np.cumsum(g.counts)
-        rest = []  # (first, last) records of the parameters placed through the table
         for leaf, a, b in zip(g.leaves.tolist(), (ends - g.counts).tolist(), ends.tolist()):
-            lr = read.leaves[leaf]
-            if g.unit != 1 or len(lr.e0) != 1 or b == a:
-                if b > a:
-                    rest.append((a, b))
+            if b == a:
                 continue
-            e0, e1, t, d0 = int(lr.e0[0]), int(lr.e1[0]), int(lr.target[0]), int(lr.dst[0])
-            pos = rec["i"][a:b].astype(np.int64)
-            v = rec["v"][a:b, 0]
-            if pos[0] < e0 or pos[-1] >= e1:  # records ascend: only the ends can fall outside
-                m = (pos >= e0) & (pos < e1)
-                pos, v = pos[m], v[m]
-                if not len(pos):
+            idx, vals = rec["i"][a:b], rec["v"][a:b]
+            if g.unit == 1:
+                pos, vals = idx.astype(np.int64), vals[:, 0]
+            else:  # ascending element positions of the blocks
+                pos = ((idx.astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
+                vals = vals.reshape(-1)
+            for t, e0, e1, d0 in read.leaves[leaf].layers:
+                lo, hi = np.searchsorted(pos, e0), np.searchsorted(pos, e1)
+                if len(e0) == 1:
+                    sel: Any = slice(int(lo[0]), int(hi[0]))
+                    dst = pos[sel] + int(d0[0] - e0[0])
+                else:
+                    n = hi - lo
+                    total = int(n.sum())
+                    if not total:
+                        continue
+                    sel = np.arange(total) + np.repeat(lo - (np.cumsum(n) - n), n)
+                    dst = pos[sel] + np.repeat(d0 - e0, n)
+                if not len(dst):
                     continue
-            scatter(t, pos + (d0 - e0), v, dt)
-            written += len(pos)
-        if not rest:
-            continue
-        sel = np.concatenate([np.arange(a, b) for a, b in rest]) if len(rest) > 1 or rest[0] != (0, g.count) \
-            else slice(None)
-        sub = rec[sel]
-        base = np.repeat(g.leaves << KEY_SHIFT, g.counts)[sel]
-        if g.unit == 1:
-            key = base + sub["i"]
-        else:
-            key = ((base + sub["i"].astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
-        vals = sub["v"].reshape(-1)
-        for layer in read.layers:
-            k = np.searchsorted(layer.start, key, side="right") - 1
-            off = key - layer.start[k]  # k = -1 reads the last run: refused below
-            valid = (k >= 0) & (off < layer.length[k])
-            if valid.all():
-                kv, offv, v = k, off, vals
-            else:
-                idx = np.flatnonzero(valid)
-                if not len(idx):
-                    continue
-                kv, offv, v = k[idx], off[idx], vals[idx]
-            tgt = layer.target[kv]
-            dst = layer.dst[kv] + offv
-            # keys ascend, so a target's elements come in runs of the same target: one scatter per run
-            cut = np.flatnonzero(tgt[1:] != tgt[:-1]) + 1
-            for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(tgt)])).tolist()):
-                scatter(int(tgt[a]), dst[a:b], v[a:b], dt)
-            written += len(kv)
+                view = views.get(t)
+                if view is None:
+                    view = views[t] = keep[t].reshape(-1).view(int_dtype(g.itemsize)).numpy()
+                view[dst] = vals[sel]
+                written += len(dst)
+                if changes is not None:
+                    changes.setdefault(t, []).append(dst)
     return written
 
 
