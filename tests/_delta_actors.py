@@ -105,6 +105,24 @@ class DTrainer:
         self.step()
         return self.publish(transport, delta, 0, delta_versions)
 
+    def step_publish_failing_changes(self, transport: str = "shm") -> str:
+        """The next version, with the publication of its changes failing (after the base copy was compared and
+        brought along): the error."""
+        from rdt._sharded import publish as _publish
+
+        def fail(*_a: Any, **_k: Any) -> Any:
+            raise RuntimeError("the changes' publication failed")
+
+        self.step()
+        saved, _publish.publish_changes = _publish.publish_changes, fail
+        try:
+            self.publish(transport)
+            return "ok"
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            _publish.publish_changes = saved
+
     def try_publish(self, change: str, transport: str = "shm") -> str:
         """Publish with delta=True after changing a parameter's dtype ("dtype") or this rank's rows ("layout"):
         the error, or "ok"; the weights are put back after."""

@@ -211,6 +211,23 @@ def replicas(ray_cluster):
     yield from _engines()
 
 
+def test_a_failed_publication_of_changes_ends_the_stream(trainers, engines):
+    """The base copy is brought along as it is compared: when the changes then fail to publish, the stream ends
+    (the next publication starts a new one, without changes) and a loader loads in full, exactly. Before: the
+    stream went on with the same lineage."""
+    _load(engines, _step(trainers))
+    before = _step(trainers)
+    _load(engines, before)
+    assert ray.get([t.step_publish_failing_changes.remote() for t in trainers]) == \
+        ["the changes' publication failed"] * len(trainers)
+    after = _step(trainers)
+    for a, b in zip(before.shards, after.shards):
+        assert b.lineage is not None and b.lineage != a.lineage and not b.deltas
+    assert all(not out["report"].delta for out in _load(engines, after))
+    again = _step(trainers)
+    assert all(out["report"].delta for out in _load(engines, again))
+
+
 def test_a_sharers_offer_serves_its_changes_to_replicas_one_version_behind(trainers, engines, replicas):
     _load(engines, _step(trainers))
     offers = ray.get([c.share.remote() for c in engines])

@@ -39,6 +39,7 @@ BLOCK_UNIT = 32  # elements per unit of the "changed blocks" encoding
 WHOLE_AT = 0.3
 INDEX_BYTES = 4
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 MAX_INDEX = (1 << 31) - 1
 
 
@@ -89,20 +90,28 @@ def _load_delta(base: int, version: int, lineage: bytes, meta_state: Optional[di
 # ------------------------------------------------------------------------------------------- the producer
 @dataclass
 class Encoded:
-    """:func:`encode`'s result: the records (None: none) and the per-parameter columns of a :class:`Delta`."""
+    """:func:`encode`'s result: the records (None: none), the per-parameter columns of a :class:`Delta`, and per
+    parameter the units its records hold (ascending unit indices and the unit in elements; None: no records)."""
 
     records: Optional[torch.Tensor]
     columns: Tuple[np.ndarray, ...]
-    changed_positions: List[Optional[np.ndarray]]  # per parameter: element positions changed (None: none/whole)
+    changed_units: List[Optional[Tuple[np.ndarray, int]]]
+
+    @property
+    def changed_positions(self) -> List[Optional[np.ndarray]]:
+        """Per parameter the element positions encoded one by one (None: none, blocks, or whole)."""
+        return [None if u is None or u[1] != 1 else u[0] for u in self.changed_units]
 
 
-def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Encoded:
+def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor], update: bool = False) -> Encoded:
     """Compare each tensor with its base bitwise and encode what changed (see the module docstring). Both are
-    contiguous CPU tensors of equal shape and dtype, in the publication's order."""
+    contiguous CPU tensors of equal shape and dtype, in the publication's order. Each parameter is compared in
+    one pass, a cache-sized chunk at a time (:func:`_scan`); ``update`` brings the base to the current bytes in
+    the same pass (the producer's base copy: a caller that fails to publish the result must drop it)."""
     kinds, units, counts, rec_off, changed, elements, dir_at = ([] for _ in range(7))
     dirs: List[np.ndarray] = []
     parts: List[np.ndarray] = []
-    positions: List[Optional[np.ndarray]] = []
+    changed_units: List[Optional[Tuple[np.ndarray, int]]] = []
     at = 0
     d_at = 0
     for cur, old in zip(current, base):
@@ -111,52 +120,143 @@ def encode(current: Sequence[torch.Tensor], base: Sequence[torch.Tensor]) -> Enc
         dt = int_dtype(s)
         elements.append(e)
         dir_at.append(d_at)
+        rec_off.append(at)
         if dt is None or e > MAX_INDEX or e == 0:
-            kinds.append(WHOLE if e else UNCHANGED), units.append(1), counts.append(0), rec_off.append(at)
-            changed.append(e), positions.append(None)
+            kinds.append(WHOLE if e else UNCHANGED), units.append(1), counts.append(0), changed.append(e)
+            changed_units.append(None)
+            if update and e:
+                old.copy_(cur)
             continue
         a = cur.reshape(-1).view(dt).numpy()
-        b = old.reshape(-1).view(dt).numpy()
-        pos = np.flatnonzero(a != b)
-        c = len(pos)
+        scan = _Scan(a, old.reshape(-1).view(dt).numpy(), update)
+        c = scan.count
         changed.append(c)
-        if c == 0:
-            kinds.append(UNCHANGED), units.append(1), counts.append(0), rec_off.append(at), positions.append(None)
-            continue
-        unit, idx = 1, pos
-        size = c * (INDEX_BYTES + s)
-        if e % BLOCK_UNIT == 0 and c > e // BLOCK_UNIT // 8:  # blocks can only win when some share a block
-            pb = pos // BLOCK_UNIT
-            blocks = pb[np.concatenate(([True], pb[1:] != pb[:-1]))]
-            bsize = len(blocks) * (INDEX_BYTES + BLOCK_UNIT * s)
+        unit, size = 1, c * (INDEX_BYTES + s)
+        if c and e % BLOCK_UNIT == 0 and c > e // BLOCK_UNIT // 8:  # blocks can only win when some share a block
+            bsize = scan.blocks() * (INDEX_BYTES + BLOCK_UNIT * s)
             if bsize < size:
-                unit, idx, size = BLOCK_UNIT, blocks, bsize
-        if size > WHOLE_AT * e * s:
-            kinds.append(WHOLE), units.append(1), counts.append(0), rec_off.append(at), positions.append(pos)
+                unit, size = BLOCK_UNIT, bsize
+        if c == 0 or size > WHOLE_AT * e * s:
+            scan.finish()
+            kinds.append(WHOLE if c else UNCHANGED), units.append(1), counts.append(0), changed_units.append(None)
             continue
-        rec, dir_ = _pack(a, idx, unit, s, e)
-        n = len(idx)
+        idx, vals = scan.units(unit)
+        rec, dir_ = _pack(idx, vals, unit, s, e)
         dirs.append(dir_)
         d_at += len(dir_)
-        kinds.append(RECORDS), units.append(unit), counts.append(n), rec_off.append(at), positions.append(pos)
-        parts.append(rec.reshape(-1))
+        kinds.append(RECORDS), units.append(unit), counts.append(len(idx)), changed_units.append((idx, unit))
+        parts.append(rec)
         at += rec.size
     dir_at.append(d_at)
-    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, positions)
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, changed_units)
 
 
-def _pack(a: np.ndarray, idx: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Records of units ``idx`` (ascending) of ``a`` (a parameter's elements as integers), and its directory."""
-    n = len(idx)
-    rec = np.empty((n, INDEX_BYTES + unit * s), np.uint8)
-    rec[:, :INDEX_BYTES] = idx.astype("<i4").view(np.uint8).reshape(n, INDEX_BYTES)
-    if unit == 1:
-        rec[:, INDEX_BYTES:] = a[idx].view(np.uint8).reshape(n, s)
-    else:
-        rec[:, INDEX_BYTES:] = a.reshape(-1, unit)[idx].view(np.uint8).reshape(n, unit * s)
+CHUNK = 1 << 17  # elements compared at a time (a multiple of BLOCK_UNIT: a block never spans two chunks)
+DENSE = 8  # a chunk with more than 1/DENSE of its elements changed is listed only if its parameter needs it
+
+
+class _Scan:
+    """One parameter's comparison (``a`` current, ``b`` base: flat integer views), made a chunk at a time while the
+    chunk is in cache: the changed positions and values of each sparse chunk (and, with ``update``, the base
+    brought to them at once); the dense chunks are only counted, and listed, or copied to the base, later as the
+    encoding needs (so that a parameter published whole is never listed)."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, update: bool) -> None:
+        self.a, self.b, self.update = a, b, update
+        self.pos: List[np.ndarray] = []  # per chunk in order: changed positions (None: a dense chunk, not listed)
+        self.vals: List[Optional[np.ndarray]] = []
+        self.dense: List[Tuple[int, int]] = []
+        self.count = 0
+        mask = np.empty(min(CHUNK, len(a)), bool)
+        for lo in range(0, len(a), CHUNK):
+            hi = min(lo + CHUNK, len(a))
+            m = mask[:hi - lo]
+            ac, bc = a[lo:hi], b[lo:hi]
+            np.not_equal(ac, bc, out=m)
+            c = int(np.count_nonzero(m))
+            if not c:
+                continue
+            self.count += c
+            if c * DENSE > hi - lo:
+                self.dense.append((lo, hi))
+                self.pos.append(np.empty(0, np.int64)), self.vals.append(None)  # listed later if needed
+                continue
+            p = np.flatnonzero(m)
+            v = ac[p]
+            if update:
+                bc[p] = v
+            p += lo
+            self.pos.append(p), self.vals.append(v)
+
+    def _listed(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Every changed position and its value, ascending (the dense chunks listed now, before the base moves)."""
+        if self.dense:
+            k = 0
+            for i, v in enumerate(self.vals):
+                if v is None:
+                    lo, hi = self.dense[k]
+                    k += 1
+                    p = np.flatnonzero(self.a[lo:hi] != self.b[lo:hi])
+                    self.vals[i] = self.a[lo:hi][p]
+                    self.pos[i] = p + lo
+        pos = np.concatenate(self.pos) if self.pos else np.zeros(0, np.int64)
+        vals = np.concatenate(self.vals) if self.vals else self.a[:0]
+        return pos, vals
+
+    def blocks(self) -> int:
+        """The BLOCK_UNIT element blocks holding a change."""
+        return sum(len(q) for q in self._blocks())
+
+    def _blocks(self) -> List[np.ndarray]:
+        """Per chunk holding a change, in order: the indices of its blocks holding one."""
+        out = []
+        dense = iter(self.dense)
+        for p, v in zip(self.pos, self.vals):
+            if v is None:
+                lo, hi = next(dense)
+                out.append(np.flatnonzero(_changed_blocks(self.a[lo:hi] != self.b[lo:hi])) + lo // BLOCK_UNIT)
+            else:
+                q = p // BLOCK_UNIT
+                out.append(q[np.concatenate(([True], q[1:] != q[:-1]))])
+        return out
+
+    def units(self, unit: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The changed units (indices ascending; ``unit`` elements: 1 or BLOCK_UNIT) and their values, the base then
+        brought to the current bytes."""
+        if unit == 1:
+            pos, vals = self._listed()
+        else:
+            pos = np.concatenate(self._blocks())
+            vals = self.a.reshape(-1, unit)[pos]
+        self.finish()
+        return pos, vals
+
+    def finish(self) -> None:
+        """With ``update``: copy the dense chunks to the base (the sparse ones are brought already)."""
+        if self.update:
+            for lo, hi in self.dense:
+                self.b[lo:hi] = self.a[lo:hi]
+        self.dense = []
+
+
+def _changed_blocks(mask: np.ndarray) -> np.ndarray:
+    """Per BLOCK_UNIT elements whether any changed, from the elements' mask (its bytes OR'ed as 8-byte words)."""
+    words = mask.view(np.uint64).reshape(-1, BLOCK_UNIT // 8)
+    acc = words[:, 0].copy()
+    for j in range(1, words.shape[1]):
+        acc |= words[:, j]
+    return acc != 0
+
+
+def _pack(idx: np.ndarray, vals: np.ndarray, unit: int, s: int, e: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Records of units ``idx`` (ascending) holding ``vals`` (a parameter's elements as integers), as bytes, and
+    its directory (records before each DIR_BLOCK elements)."""
+    rec = np.empty(len(idx), np.dtype([("i", "<i4"), ("v", _NP_INT[s], (unit,))]))
+    rec["i"] = idx
+    rec["v"] = vals.reshape(len(idx), unit)
     nblocks = -(-e // DIR_BLOCK)
-    per = np.bincount(idx * unit // DIR_BLOCK, minlength=nblocks)
-    return rec, np.concatenate(([0], np.cumsum(per))).astype(np.int64)
+    bounds = -(-np.arange(nblocks + 1, dtype=np.int64) * DIR_BLOCK // unit)  # first unit at or past each boundary
+    return rec.view(np.uint8), np.searchsorted(idx, bounds).astype(np.int64)
 
 
 def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Optional[np.ndarray]]) -> Encoded:
@@ -180,39 +280,26 @@ def encode_positions(current: Sequence[torch.Tensor], positions: Sequence[Option
         if not len(pos):
             kinds.append(UNCHANGED), counts.append(0), changed.append(0)
             continue
-        rec, dir_ = _pack(cur.reshape(-1).view(dt).numpy(), pos, 1, s, e)
+        rec, dir_ = _pack(pos, cur.reshape(-1).view(dt).numpy()[pos], 1, s, e)
         kinds.append(RECORDS), counts.append(len(pos)), changed.append(len(pos))
         dirs.append(dir_)
         d_at += len(dir_)
-        parts.append(rec.reshape(-1))
+        parts.append(rec)
         at += rec.size
     dir_at.append(d_at)
-    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs, list(positions))
+    return _encoded(parts, (kinds, units, counts, rec_off, changed, elements, dir_at), dirs,
+                    [None if p is None else (p, 1) for p in positions])
 
 
 def _encoded(parts: List[np.ndarray], cols: Tuple[List[int], ...], dirs: List[np.ndarray],
-             positions: List[Optional[np.ndarray]]) -> Encoded:
+             changed_units: List[Optional[Tuple[np.ndarray, int]]]) -> Encoded:
     """An encoding from its per-parameter lists: the records concatenated, the columns as typed arrays."""
     kinds, units, counts, rec_off, changed, elements, dir_at = cols
     records = torch.from_numpy(np.concatenate(parts)) if parts else None
     columns = (np.array(kinds, np.int8), np.array(units, np.int32), np.array(counts, np.int64),
                np.array(rec_off, np.int64), np.array(changed, np.int64), np.array(elements, np.int64),
                np.array(dir_at, np.int64), np.concatenate(dirs) if dirs else np.zeros(0, np.int64))
-    return Encoded(records, columns, positions)
-
-
-def update_base(base: Sequence[torch.Tensor], current: Sequence[torch.Tensor], enc: Encoded) -> None:
-    """Bring the base copy to the bytes just published: the changed elements, or whole tensors."""
-    kinds = enc.columns[0]
-    for b, c, kind, pos in zip(base, current, kinds.tolist(), enc.changed_positions):
-        if kind == UNCHANGED:
-            continue
-        dt = int_dtype(c.element_size())
-        if pos is None or dt is None or len(pos) * 8 > c.numel():
-            b.copy_(c)
-        else:
-            bb, cc = b.reshape(-1).view(dt).numpy(), c.reshape(-1).view(dt).numpy()
-            bb[pos] = cc[pos]
+    return Encoded(records, columns, changed_units)
 
 
 @dataclass
@@ -272,32 +359,54 @@ def new_lineage() -> bytes:
 @dataclass
 class LeafRuns:
     """One parameter's runs in a rank's plan, in elements: start and end in its local shard, target, first
-    destination element."""
+    destination element; and the same per target (``layers``: target, starts, ends, first destinations, each
+    ascending and disjoint)."""
 
     e0: np.ndarray
     e1: np.ndarray
     target: np.ndarray
     dst: np.ndarray
     rows: slice  # its runs' rows in the rank's Runs arrays
+    layers: List[Tuple[int, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def wanted(self) -> int:
         return int((self.e1 - self.e0).sum())
 
 
-def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
-    """The rank's runs (sorted by leaf, then source) split per leaf, in elements."""
+@dataclass
+class RankRuns:
+    """A rank's runs as delta loads read them, made once per plan: per parameter (:class:`LeafRuns`), and per run
+    (sorted by parameter, then source) its parameter and first and last element."""
+
+    leaves: Dict[int, LeafRuns]
+    leaf: np.ndarray
+    e0: np.ndarray
+    e1: np.ndarray
+
+
+def rank_runs(runs: Runs, itemsizes: Sequence[int]) -> RankRuns:
+    """The rank's runs (sorted by leaf, then source) split per leaf and per target, in elements."""
     out: Dict[int, LeafRuns] = {}
     leaf = runs.leaf
-    if not len(leaf):
-        return out
+    size = np.asarray(itemsizes, np.int64)[leaf] if len(leaf) else np.zeros(0, np.int64)
+    e0, e1, dst = runs.src // size, (runs.src + runs.n) // size, runs.dst // size
     cut = np.flatnonzero(np.diff(leaf)) + 1
     for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(leaf)])).tolist()):
-        p = int(leaf[lo])
-        s = itemsizes[p]
-        out[p] = LeafRuns(runs.src[lo:hi] // s, (runs.src[lo:hi] + runs.n[lo:hi]) // s, runs.target[lo:hi],
-                          runs.dst[lo:hi] // s, slice(lo, hi))
-    return out
+        if hi == lo:
+            continue
+        lr = LeafRuns(e0[lo:hi], e1[lo:hi], runs.target[lo:hi], dst[lo:hi], slice(lo, hi))
+        targets = np.unique(lr.target)
+        for t in targets.tolist():
+            m = lr.target == t if len(targets) > 1 else slice(None)
+            lr.layers.append((t, lr.e0[m], lr.e1[m], lr.dst[m]))
+        out[int(leaf[lo])] = lr
+    return RankRuns(out, leaf, e0, e1)
+
+
+def leaf_runs(runs: Runs, itemsizes: Sequence[int]) -> Dict[int, LeafRuns]:
+    """The rank's runs (sorted by leaf, then source) split per leaf, in elements."""
+    return rank_runs(runs, itemsizes).leaves
 
 
 @dataclass
@@ -338,187 +447,111 @@ class DeltaRead:
     staging: torch.Tensor
     leaves: Dict[int, LeafRuns]
     record_bytes: int
-    layers: List["Layer"] = field(default_factory=list)
 
 
-@dataclass
-class Layer:
-    """A rank's runs in elements, keyed (leaf << KEY_SHIFT) + element, disjoint and ascending: where a source
-    element lands. A parameter landing in several targets puts each target's runs in its own layer."""
-
-    start: np.ndarray
-    length: np.ndarray
-    target: np.ndarray
-    dst: np.ndarray
-
-
-KEY_SHIFT = 40
-
-
-def _layers(runs: Runs, itemsizes: Sequence[int]) -> List[Layer]:
-    if not len(runs.n):
-        return []
-    size = np.asarray(itemsizes, np.int64)[runs.leaf]
-    start = (runs.leaf << KEY_SHIFT) + runs.src // size
-    end = start + runs.n // size
-    dst = runs.dst // size
-    # the k-th distinct target of a leaf goes to layer k (runs are sorted by leaf, then source)
-    pair = runs.leaf * (1 << 32) + runs.target
-    order = np.lexsort((runs.target, runs.leaf))
-    sp = pair[order]
-    firsts = np.concatenate(([True], sp[1:] != sp[:-1]))
-    leaf_sorted = runs.leaf[order]
-    newleaf = np.concatenate(([True], leaf_sorted[1:] != leaf_sorted[:-1]))
-    rank_in_leaf = np.cumsum(firsts) - 1 - np.maximum.accumulate(np.where(newleaf, np.cumsum(firsts) - 1, 0))
-    layer = np.empty(len(order), np.int64)
-    layer[order] = rank_in_leaf
-    out = []
-    for k in range(int(layer.max()) + 1):
-        m = layer == k
-        o = np.argsort(start[m], kind="stable")
-        out.append(Layer(*(np.ascontiguousarray(a[m][o]) for a in (start, end - start, runs.target, dst))))
-    return out
-
-
-def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int]) -> DeltaRead:
+def read_plan(chain: Sequence[Delta], runs: Runs, itemsizes: Sequence[int],
+              made: Optional[RankRuns] = None) -> DeltaRead:
     """Which records of each delta of ``chain`` (oldest first) this rank's ``runs`` meet, and which parameters are
     read whole: one published whole in some delta of the chain, or whose records would take more than WHOLE_AT of
-    its wanted bytes."""
-    leaves = leaf_runs(runs, itemsizes)
-    need: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}  # leaf -> per delta (record starts, ends)
-    whole: List[int] = []
-    for p, lr in leaves.items():
-        s = itemsizes[p]
-        if any(int(d.kinds[p]) == WHOLE for d in chain) or int_dtype(s) is None:
-            whole.append(p)
-            continue
-        spans = []
-        size = 0
-        for d in chain:
-            if int(d.kinds[p]) != RECORDS:
-                spans.append((np.zeros(0, np.int64), np.zeros(0, np.int64)))
-                continue
-            dirs = d.dirs[int(d.dir_at[p]):int(d.dir_at[p + 1])]
-            st = dirs[lr.e0 // DIR_BLOCK]
-            en = dirs[(lr.e1 - 1) // DIR_BLOCK + 1]
-            st, en = _merge_spans(st, en)
-            spans.append((st, en))
-            size += int((en - st).sum()) * d.record_size(p, s)
-        if size > WHOLE_AT * lr.wanted * s:
-            whole.append(p)
-        else:
-            need[p] = spans
+    its wanted bytes. Whole-rank array operations per delta (``made``: :func:`rank_runs` of ``runs``, kept)."""
+    rr = made if made is not None else rank_runs(runs, itemsizes)
+    leaf, e0, e1 = rr.leaf, rr.e0, rr.e1
+    nleaves = len(itemsizes)
+    size = np.asarray(itemsizes, np.int64)
+    wanted = np.bincount(leaf, weights=e1 - e0, minlength=nleaves) if len(leaf) else np.zeros(nleaves)
+    present = np.zeros(nleaves, bool)
+    present[leaf] = True
+    whole = present & np.array([int_dtype(s) is None for s in itemsizes], bool)
+    found = []  # per delta: (span leaf, start byte, end byte, record size per leaf)
+    record_bytes = np.zeros(nleaves)
+    for d in chain:
+        whole |= present & (d.kinds == WHOLE)
+        rec = (d.kinds[leaf] == RECORDS) & ~whole[leaf]
+        rl, a0, a1 = leaf[rec], e0[rec], e1[rec]
+        rsz = INDEX_BYTES + d.units.astype(np.int64) * size
+        base = d.dir_at[:-1][rl]
+        st, en = d.dirs[base + a0 // DIR_BLOCK], d.dirs[base + (a1 - 1) // DIR_BLOCK + 1]
+        keep = en > st
+        rl, st, en = rl[keep], st[keep], en[keep]
+        gst, gen = d.rec_off[rl] + st * rsz[rl], d.rec_off[rl] + en * rsz[rl]  # bytes of the records leaf
+        if len(rl) > 1:  # merge a parameter's spans where they overlap or touch
+            reach = np.maximum.accumulate(gen)
+            first = np.flatnonzero(np.concatenate(([True], (gst[1:] > reach[:-1]) | (rl[1:] != rl[:-1]))))
+            rl, gst, gen = rl[first], gst[first], np.maximum.reduceat(gen, first)
+        found.append((rl, gst, gen, rsz))
+        record_bytes += np.bincount(rl, weights=gen - gst, minlength=nleaves)
+    whole |= present & (record_bytes > WHOLE_AT * wanted * size)
     out: List[Spans] = []
     at = 0
-    for j, d in enumerate(chain):
-        cols: List[List[np.ndarray]] = [[], [], []]  # src, dst, n
-        shapes: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (unit, itemsize) -> [(leaf, records)]
-        for p, spans in need.items():
-            st, en = spans[j]
-            if len(st):
-                shapes.setdefault((int(d.units[p]), itemsizes[p]), []).append((p, int((en - st).sum())))
-        start = at
+    for d, (rl, gst, gen, rsz) in zip(chain, found):
+        keep = ~whole[rl]
+        rl, gst, gen = rl[keep], gst[keep], gen[keep]
+        if not len(rl):
+            continue
+        shape = d.units.astype(np.int64)[rl] * 16 + size[rl]  # spans grouped by record shape, in order within
+        order = np.argsort(shape, kind="stable")
+        rl, gst, n, shape = rl[order], gst[order], (gen - gst)[order], shape[order]
+        dst = at + np.cumsum(n) - n
         groups: List[Group] = []
-        for (unit, size), members in shapes.items():
-            rsz = INDEX_BYTES + unit * size
-            first = at
-            for p, _ in members:
-                st, en = need[p][j]
-                n = (en - st) * rsz
-                cols[0].append(int(d.rec_off[p]) + st * rsz)
-                cols[1].append(at + np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64))
-                cols[2].append(n)
-                at += int(n.sum())
-            groups.append(Group(first, (at - first) // rsz, unit, size, np.array([p for p, _ in members], np.int64),
-                                np.array([c for _, c in members], np.int64)))
-        if groups:
-            src, dst, n = (np.concatenate(c).astype(np.int64) for c in cols)
-            k = len(n)
-            out.append(Spans(d, Runs(np.zeros(k, np.int64), src, np.zeros(k, np.int64), dst, n), groups,
-                             at - start))
-    return DeltaRead(out, sorted(whole), torch.empty(at, dtype=torch.uint8), leaves, at, _layers(runs, itemsizes))
-
-
-def _merge_spans(st: np.ndarray, en: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Record spans [st, en) (starts ascending) merged where they overlap or touch; empty ones dropped."""
-    keep = en > st
-    st, en = st[keep], en[keep]
-    if len(st) < 2:
-        return st.astype(np.int64), en.astype(np.int64)
-    reach = np.maximum.accumulate(en)
-    new = np.concatenate(([True], st[1:] > reach[:-1]))
-    first = np.flatnonzero(new)
-    return st[first].astype(np.int64), np.maximum.reduceat(en, first).astype(np.int64)
-
-
-_NP_INT = {1: "u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+        cuts = np.flatnonzero(shape[1:] != shape[:-1]) + 1
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(rl)])).tolist()):
+            p = int(rl[lo])
+            r = int(rsz[p])
+            gl = rl[lo:hi]
+            leaves, first = np.unique(gl, return_index=True)
+            counts = np.add.reduceat(n[lo:hi], first) // r
+            groups.append(Group(int(dst[lo]), int(counts.sum()), int(d.units[p]), int(size[p]),
+                                leaves.astype(np.int64), counts.astype(np.int64)))
+        k = len(n)
+        out.append(Spans(d, Runs(np.zeros(k, np.int64), gst.astype(np.int64), np.zeros(k, np.int64),
+                                 dst.astype(np.int64), n.astype(np.int64)), groups, int(n.sum())))
+        at += int(n.sum())
+    return DeltaRead(out, np.flatnonzero(whole).tolist(), torch.empty(at, dtype=torch.uint8), rr.leaves, at)
 
 
 def apply(read: DeltaRead, spans: Spans, keep: Sequence[torch.Tensor], itemsizes: Sequence[int],
           changes: Optional[Dict[int, List[np.ndarray]]] = None) -> int:
     """Scatter one delta's records (landed in ``read.staging``) into the targets, narrowed to this rank's runs;
-    the elements written. ``changes`` (when given) collects, per target, the element positions written. A
-    parameter landing as one run (a column-parallel or vocabulary slice, a whole norm) is placed by an offset; the
-    others' records are placed all at once through the runs' table (numpy, one pass an operation)."""
+    the elements written. ``changes`` (when given) collects, per target, the element positions written. Per
+    parameter and target: its runs meet the records (both ascending) by a binary search of each run's ends among
+    the records, and the records inside them are written with one indexed assignment."""
     staging = read.staging.numpy()
     written = 0
-
-    def scatter(t: int, dst: np.ndarray, v: np.ndarray, dt: torch.dtype) -> None:
-        keep[t].reshape(-1).view(dt).scatter_(0, torch.from_numpy(dst), torch.from_numpy(np.ascontiguousarray(v)))
-        if changes is not None:
-            changes.setdefault(t, []).append(dst)
-
+    views: Dict[int, np.ndarray] = {}
     for g in spans.groups:
-        dt = int_dtype(g.itemsize)
         record = np.dtype([("i", "<i4"), ("v", _NP_INT[g.itemsize], (g.unit,))])
         rec = staging[g.at:g.at + g.count * record.itemsize].view(record)
         ends = np.cumsum(g.counts)
-        rest = []  # (first, last) records of the parameters placed through the table
         for leaf, a, b in zip(g.leaves.tolist(), (ends - g.counts).tolist(), ends.tolist()):
-            lr = read.leaves[leaf]
-            if g.unit != 1 or len(lr.e0) != 1 or b == a:
-                if b > a:
-                    rest.append((a, b))
+            if b == a:
                 continue
-            e0, e1, t, d0 = int(lr.e0[0]), int(lr.e1[0]), int(lr.target[0]), int(lr.dst[0])
-            pos = rec["i"][a:b].astype(np.int64)
-            v = rec["v"][a:b, 0]
-            if pos[0] < e0 or pos[-1] >= e1:  # records ascend: only the ends can fall outside
-                m = (pos >= e0) & (pos < e1)
-                pos, v = pos[m], v[m]
-                if not len(pos):
+            idx, vals = rec["i"][a:b], rec["v"][a:b]
+            if g.unit == 1:
+                pos, vals = idx.astype(np.int64), vals[:, 0]
+            else:  # ascending element positions of the blocks
+                pos = ((idx.astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
+                vals = vals.reshape(-1)
+            for t, e0, e1, d0 in read.leaves[leaf].layers:
+                lo, hi = np.searchsorted(pos, e0), np.searchsorted(pos, e1)
+                if len(e0) == 1:
+                    sel: Any = slice(int(lo[0]), int(hi[0]))
+                    dst = pos[sel] + int(d0[0] - e0[0])
+                else:
+                    n = hi - lo
+                    total = int(n.sum())
+                    if not total:
+                        continue
+                    sel = np.arange(total) + np.repeat(lo - (np.cumsum(n) - n), n)
+                    dst = pos[sel] + np.repeat(d0 - e0, n)
+                if not len(dst):
                     continue
-            scatter(t, pos + (d0 - e0), v, dt)
-            written += len(pos)
-        if not rest:
-            continue
-        sel = np.concatenate([np.arange(a, b) for a, b in rest]) if len(rest) > 1 or rest[0] != (0, g.count) \
-            else slice(None)
-        sub = rec[sel]
-        base = np.repeat(g.leaves << KEY_SHIFT, g.counts)[sel]
-        if g.unit == 1:
-            key = base + sub["i"]
-        else:
-            key = ((base + sub["i"].astype(np.int64) * g.unit)[:, None] + np.arange(g.unit)).reshape(-1)
-        vals = sub["v"].reshape(-1)
-        for layer in read.layers:
-            k = np.searchsorted(layer.start, key, side="right") - 1
-            off = key - layer.start[k]  # k = -1 reads the last run: refused below
-            valid = (k >= 0) & (off < layer.length[k])
-            if valid.all():
-                kv, offv, v = k, off, vals
-            else:
-                idx = np.flatnonzero(valid)
-                if not len(idx):
-                    continue
-                kv, offv, v = k[idx], off[idx], vals[idx]
-            tgt = layer.target[kv]
-            dst = layer.dst[kv] + offv
-            # keys ascend, so a target's elements come in runs of the same target: one scatter per run
-            cut = np.flatnonzero(tgt[1:] != tgt[:-1]) + 1
-            for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(tgt)])).tolist()):
-                scatter(int(tgt[a]), dst[a:b], v[a:b], dt)
-            written += len(kv)
+                view = views.get(t)
+                if view is None:
+                    view = views[t] = keep[t].reshape(-1).view(int_dtype(g.itemsize)).numpy()
+                view[dst] = vals[sel]
+                written += len(dst)
+                if changes is not None:
+                    changes.setdefault(t, []).append(dst)
     return written
 
 

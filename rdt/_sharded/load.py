@@ -239,7 +239,11 @@ class WeightLoader:
             for (rank, rr), (_, reader) in zip(plan.reads, readers_):
                 shards = by_rank[rank]
                 if rank in chains:
-                    dread = _delta.read_plan(chains[rank], rr.runs, _reads.itemsizes(shards))
+                    sizes = _reads.itemsizes(shards)
+                    made = plan.delta_runs.get(rank)
+                    if made is None:
+                        made = plan.delta_runs[rank] = _delta.rank_runs(rr.runs, sizes)
+                    dread = _delta.read_plan(chains[rank], rr.runs, sizes, made)
                     reads.append(jobs.Job(
                         ctx, functools.partial(_reads.delta_rank, ctx, shards, rr, reader, dreg.get(rank, []),
                                                chains[rank], dread, plan.keep, addrs, [w.name for w in wants]

@@ -49,6 +49,7 @@ class Plan:
     ptrs: List[int] = field(default_factory=list)
     addrs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     moved: bool = False  # a landing tensor moved to other storage at the last addresses() (it holds no version)
+    delta_runs: Dict[int, Any] = field(default_factory=dict)  # per rank: its runs as delta loads read them (once)
 
     def __post_init__(self) -> None:
         self.forms = [_form(t) for t in self.targets]

@@ -230,10 +230,14 @@ def _publish_delta(streams: "_delta.Streams", stream: Any, previous: Optional["_
     if shards.version == previous.version:  # the same version again (e.g. over another transport): its changes
         shards.lineage, shards.deltas = previous.lineage, tuple(previous.kept.values())
         return
-    enc = _delta.encode(tensors, previous.base)
-    delta = publish_changes(enc, previous.version, shards.version, previous.lineage, shards.rank, transport,
-                            timeout, keep, ("delta", stream), f"changes of producer rank {shards.rank}")
-    _delta.update_base(previous.base, tensors, enc)
+    try:  # the base copy is brought to these bytes as they are compared: a failure ends the stream
+        enc = _delta.encode(tensors, previous.base, update=True)
+        delta = publish_changes(enc, previous.version, shards.version, previous.lineage, shards.rank, transport,
+                                timeout, keep, ("delta", stream), f"changes of producer rank {shards.rank}")
+    except BaseException:
+        streams.drop(stream)
+        versions.set_base(stream, 0)
+        raise
     previous.version = shards.version
     previous.kept[shards.version] = delta
     while len(previous.kept) > keep:

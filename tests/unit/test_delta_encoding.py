@@ -118,10 +118,35 @@ def test_the_directory_narrows_what_a_loader_reads(monkeypatch):
 
 
 def test_bitwise_changes_are_changes():
-    old = torch.tensor([0.0, float("nan"), 1.0, -0.0], dtype=torch.float32)
+    old = torch.tensor([0.0, float("nan"), 1.0, -0.0] * 16, dtype=torch.float32)  # records, not whole
     new = old.clone()
     new.view(torch.int32)[0] ^= 1 << 31  # -0.0
     new.view(torch.int32)[1] ^= 1  # another NaN
     enc = delta.encode([new], [old])
     assert enc.columns[4].tolist() == [2]  # changed elements
     assert enc.changed_positions[0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("chunk", [1 << 17, 256])
+def test_encode_brings_the_base_along_in_the_same_pass(monkeypatch, chunk):
+    """encode(update=True) leaves the base equal to the current bytes and encodes exactly what update=False does,
+    whatever mix of sparse and dense chunks, blocks and whole parameters the changes make."""
+    monkeypatch.setattr(delta, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(5)
+    old = [(torch.randn(64, 700, generator=g) * 100).to(torch.bfloat16) for _ in range(4)]
+    old.append(torch.randn(999, generator=g))  # not a multiple of a block: no blocks
+    new = [_change(old[0], 0.01, 1), _change(old[1], 0.03, 2, clustered=True), _change(old[2], 0.5, 3), old[3].clone(),
+           _change(old[4], 0.02, 4)]
+    dense = new[0].view(-1).view(torch.int16)
+    dense[:300] ^= 1  # one dense chunk among sparse ones
+    plain = delta.encode(new, [t.clone() for t in old])
+    base = [t.clone() for t in old]
+    enc = delta.encode(new, base, update=True)
+    assert [int(k) for k in enc.columns[0]] == [delta.RECORDS, delta.RECORDS, delta.WHOLE, delta.UNCHANGED,
+                                                delta.RECORDS]
+    assert int(enc.columns[1][1]) == delta.BLOCK_UNIT
+    for a, b in zip(plain.columns, enc.columns):
+        assert np.array_equal(a, b)
+    assert torch.equal(plain.records, enc.records)
+    for b, n in zip(base, new):
+        assert torch.equal(b.view(torch.uint8), n.view(torch.uint8))
