@@ -1,7 +1,8 @@
-"""Every runnable example in doc_code/ runs to completion (each starts and stops its own local Ray).
+"""Every runnable example in doc_code/ runs to completion, each in a driver process of its own.
 
-The examples run three at a time (most of an example's time is Ray starting and stopping, which overlaps well on
-two cores: three take about 20 s together against about 40 s one after another); each test waits for its own.
+Run by a user, an example starts and stops a local Ray cluster of its own. Here each joins the module's cluster as a
+new driver (``tests/_doc_code_driver.py``: its ``ray.init`` arguments that size a new cluster are dropped), two at a
+time; each test waits for its own. Starting a cluster per example cost about 10 CPU-seconds each on two cores.
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ AT_ONCE = 2  # examples at once (each starts a Ray cluster of its own; another p
 TIMEOUT_S = 240
 
 
-def _run(example: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)  # never attach to a cluster another test module started
-    return subprocess.run([sys.executable, str(ROOT / "doc_code" / example)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+def _run(example: str, address: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, RDT_DOC_CODE_ADDRESS=address)
+    env.pop("RAY_ADDRESS", None)
+    driver = ROOT / "tests" / "_doc_code_driver.py"
+    return subprocess.run([sys.executable, str(driver), str(ROOT / "doc_code" / example)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[Dict[str, "Future[subprocess.CompletedProcess]"]]:
-    """Every example started in the background, AT_ONCE at a time."""
+def runs(ray_cluster) -> Iterator[Dict[str, "Future[subprocess.CompletedProcess]"]]:
+    """Every example started in the background, AT_ONCE at a time, as drivers of the module's cluster."""
+    address = ray_cluster.get_runtime_context().gcs_address
     with ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="doc-code") as pool:
-        yield {example: pool.submit(_run, example) for example in EXAMPLES}
+        yield {example: pool.submit(_run, example, address) for example in EXAMPLES}
 
 
 def test_examples_found():
