@@ -593,10 +593,9 @@ EST_STEP_COPIES: Dict[Tuple[str, str], float] = {
     ("whole", "gloo"): 24.0, ("whole", "auto"): 10.0, ("sharded", "shm"): 4.5, ("sharded", "nixl"): 6.5,
     ("sharded", "gloo"): 11.5, ("sharded", "auto"): 5.5, ("replicas", "shm"): 5.0}
 EST_TENSOR_S = 0.002
-# The memory step costs about this many more steps than a plain one (every actor reads its smaps_rollup every 3 ms
-# while it runs: in a loaded default run of 2026-11-29 it took 2.7-4.7 plain steps); and a row's byte check, stats
-# and (shared actors) release: 4-6 s a row in that run, at about 8x a quiet run's pace.
-EST_MEMORY_STEP_EXTRA = 2.0
+# A row's byte check, stats and (shared actors) release: 4-6 s a row in a loaded default run of 2026-11-29, at about
+# 8x a quiet run's pace. (The memory step costs about one plain step: its sampler reads /proc/self/status every 3 ms
+# and smaps_rollup at most a twentieth of a core.)
 EST_ROW_S = 2.5
 EST_CALIBRATION_S = 2 * EST_ACTOR_S + 2.0
 EST_SOAK_STEP_COPIES = 31.0
@@ -624,7 +623,7 @@ def sharded_sync_plan(config: Any) -> List[Tuple[Any, float]]:
         step = EST_STEP_COPIES.get((c.kind, c.transport), 10.0) * copy_s + tensors * EST_TENSOR_S
         solo = SOLO_LOADS * ENGINES * TP * step / 2 if c.kind == "sharded" else 0.0
         out.append(((SUITE, c.impl), (calibration if i == 0 else 0.0) + (start if i == 0 or not shared else 0.0)
-                    + setup + (warmup + iters + 1 + EST_MEMORY_STEP_EXTRA) * step + solo + 2 * copy_s + EST_ROW_S))
+                    + setup + (warmup + iters + 1) * step + solo + 2 * copy_s + EST_ROW_S))
     soak = chosen is None or SOAK_ROW in chosen
     return out + [((SUITE, "soak"), soak_steps(config.weight_sync_scale) * (EST_SOAK_STEP_COPIES * copy_s + 0.05)
                    if soak else 0.0)]
