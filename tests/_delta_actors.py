@@ -14,7 +14,7 @@ import torch
 
 import rdt
 
-from ._sharded_actors import REPLICATED, SHAPES, rows_of, wants
+from ._sharded_actors import REPLICATED, SHAPES, layouts, rows_of, wants
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,13 +77,7 @@ class DTrainer:
         return os.getpid()
 
     def layouts(self) -> Dict[str, rdt.Layout]:
-        out = {}
-        for name in SHAPES:
-            if name in REPLICATED:
-                out[name] = rdt.Layout.whole(SHAPES[name])
-            else:
-                out[name] = rdt.Layout(SHAPES[name], (rows_of(name, self.rank, self.world)[0], 0))
-        return out
+        return layouts(self.rank, self.world)
 
     def step(self) -> None:
         """The optimizer's in-place update to the next version (fencing the live publication first)."""

@@ -40,6 +40,24 @@ def rows_of(name: str, rank: int, world: int, sizes: Optional[Sequence[int]] = N
     return start, start + (sizes[rank] if rank < len(sizes) else 0)
 
 
+def layouts(rank: int, world: int, dims: Optional[Dict[str, int]] = None,
+            sizes: Optional[Dict[str, Optional[List[int]]]] = None) -> Dict[str, rdt.Layout]:
+    """Where rank ``rank`` of ``world``'s piece of every parameter sits: whole for the replicated ones, else its rows
+    along ``dims[name]`` (0 by default), of ``sizes[name]`` (even splits by default)."""
+    dims, sizes = dims or {}, sizes or {}
+    out = {}
+    for name in SHAPES:
+        if name in REPLICATED:
+            out[name] = rdt.Layout.whole(SHAPES[name])
+        else:
+            d = dims.get(name, 0)
+            lo, _ = rows_of(name, rank, world, sizes.get(name), d)
+            start = [0] * len(SHAPES[name])
+            start[d] = lo
+            out[name] = rdt.Layout(SHAPES[name], tuple(start))
+    return out
+
+
 @ray.remote(num_cpus=0)
 class Trainer:
     """Rank ``rank`` of ``world``: holds rows of every parameter (plain tensors with a layout, or DTensors)."""
@@ -126,17 +144,7 @@ class Trainer:
         return out
 
     def layouts(self) -> Dict[str, rdt.Layout]:
-        out = {}
-        for name in SHAPES:
-            if name in REPLICATED:
-                out[name] = rdt.Layout.whole(SHAPES[name])
-            else:
-                d = self.dims.get(name, 0)
-                lo, _ = rows_of(name, self.rank, self.world, self.sizes[name], d)
-                start = [0] * len(SHAPES[name])
-                start[d] = lo
-                out[name] = rdt.Layout(SHAPES[name], tuple(start))
-        return out
+        return layouts(self.rank, self.world, self.dims, self.sizes)
 
     def publish(self, transport: str = "shm", keep_versions: int = 0) -> rdt.Shards:
         """Publish this rank's shards as the current version (kept here, as a trainer keeps them to fence them)."""
